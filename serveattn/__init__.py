@@ -1,0 +1,23 @@
+"""serveattn: attention kernels for LLM serving, with FlashInfer's API (see API.md in the project's docs)."""
+from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
+from .prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
+from .quantization import packbits, segment_packbits
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "append_paged_kv_cache",
+    "get_batch_indices_positions",
+    "get_seq_lens",
+    "packbits",
+    "segment_packbits",
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
+]

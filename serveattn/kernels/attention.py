@@ -1,0 +1,254 @@
+"""The prefill kernel family: one Triton kernel for single, ragged and paged prefill.
+
+A program owns one work item (request, query tile) for one KV head. The tile's BLOCK_M rows are
+(query token, query head) pairs of that KV head's group, token-major, so each K/V tile loaded from
+memory serves every query head of the group. Keys are walked in BLOCK_N blocks with an online
+softmax in base 2; blocks that no mask can touch take an unmasked path.
+
+The grid's first axis may be smaller than the work list (CUDA graphs fix the grid): programs then
+stride over the work items.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .common import mma, to_dtype
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_p, stride_s, stride_h,
+                PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """int64 element offsets of the rows of keys n for KV head kvh."""
+    if PAGED:
+        page = tl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=n_ok, other=0)
+        off = page.to(tl.int64) * stride_p + (n % PAGE_SIZE).to(tl.int64) * stride_s
+    else:
+        off = (kv_base + n).to(tl.int64) * stride_p
+    return off + kvh.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
+    """cos/sin [len(pos), HALF] of LLaMA RoPE angles pos * rcp_scale * theta^(-2i/D)."""
+    i = tl.arange(0, HALF).to(tl.float32)
+    freq = rcp_scale * tl.exp2(-(i / HALF) * log2_theta)
+    angle = pos.to(tl.float32)[:, None] * freq[None, :]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left,
+            mask_ptr, mask_bit0, log2_theta, rcp_scale,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+            HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+            ROPE: tl.constexpr):
+    """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < kv_len
+    k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED)
+    v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
+    dtype = q.dtype
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        dh = tl.arange(0, HALF)
+        if MASKED:
+            k1 = tl.load(K + k_off[:, None] + dh[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            k2 = tl.load(K + k_off[:, None] + HALF + dh[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+        else:
+            k1 = tl.load(K + k_off[:, None] + dh[None, :]).to(tl.float32)
+            k2 = tl.load(K + k_off[:, None] + HALF + dh[None, :]).to(tl.float32)
+        cos, sin = _rope_cos_sin(n, log2_theta, rcp_scale, HALF)
+        k1r = to_dtype(k1 * cos - k2 * sin, dtype)
+        k2r = to_dtype(k2 * cos + k1 * sin, dtype)
+        s = mma(q, tl.trans(k1r), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+        s = mma(q2, tl.trans(k2r), s)
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            k = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(K + k_off[:, None] + d[None, :])
+        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+    if SOFT_CAP:
+        # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf.
+        t = s * (sm_scale / soft_cap)
+        x = soft_cap * (1.0 - 2.0 / (tl.exp2(t * (2.0 * 1.4426950408889634)) + 1.0)) * 1.4426950408889634
+    else:
+        x = s * qk_scale
+    if MASKED:
+        visible = n_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            bit = mask_bit0 + tok[:, None].to(tl.int64) * kv_len + n[None, :]
+            byte = tl.load(mask_ptr + bit // 8, mask=visible, other=0)
+            visible = visible & (((byte.to(tl.int32) >> (bit % 8).to(tl.int32)) & 1) != 0)
+        elif CAUSAL:
+            visible = visible & (n[None, :] <= (delta + tok)[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] >= (delta + tok - window_left)[:, None])
+        x = tl.where(visible, x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(x, 1))
+    # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(x - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    dv = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(V + v_off[:, None] + dv[None, :])
+    acc = mma(to_dtype(p, v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def prefill_kernel(
+    Q, K, V, O, LSE,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+    mask_ptr, mask_indptr,
+    qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    kvh = tl.program_id(1)
+    num_work = tl.load(num_work_ptr)
+    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        req = tl.load(work + 2 * w)
+        tile = tl.load(work + 2 * w + 1)
+        q_start = tl.load(qo_indptr + req)
+        qo_len = tl.load(qo_indptr + req + 1) - q_start
+        kv_base = tl.load(kv_indptr + req)
+        if PAGED:
+            num_pages = tl.load(kv_indptr + req + 1) - kv_base
+            kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len + req), 0)
+        else:
+            kv_len = tl.load(kv_indptr + req + 1) - kv_base
+        delta = kv_len - qo_len  # bottom-right alignment: row r sits at key position delta + r
+
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = tok < qo_len
+        q_row = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        if ROPE:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            dh = tl.arange(0, HALF)
+            q1 = tl.load(Q + q_row[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
+            q2 = tl.load(Q + q_row[:, None] + HALF + dh[None, :], mask=row_ok[:, None], other=0.0)
+            cos, sin = _rope_cos_sin(delta + tok, log2_theta, rcp_scale, HALF)
+            q1f = q1.to(tl.float32)
+            q2f = q2.to(tl.float32)
+            q = to_dtype(q1f * cos - q2f * sin, q1.dtype)
+            q2 = to_dtype(q2f * cos + q1f * sin, q1.dtype)
+        else:
+            d = tl.arange(0, HEAD_DIM)
+            q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+            q2 = q
+        mask_bit0 = 0
+        if HAS_MASK:
+            mask_bit0 = tl.load(mask_indptr + req).to(tl.int64) * 8
+
+        # Key range any row of the tile sees, and the part that every valid row sees unmasked.
+        tok_min = tile * BLOCK_M // GROUP
+        tok_max = tl.minimum(((tile + 1) * BLOCK_M - 1) // GROUP, qo_len - 1)
+        hi = kv_len
+        full_hi = kv_len
+        if CAUSAL:
+            hi = tl.minimum(kv_len, delta + tok_max + 1)
+            full_hi = tl.minimum(kv_len, delta + tok_min + 1)
+        lo = 0
+        full_lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(delta + tok_min - window_left, 0)
+            full_lo = tl.maximum(delta + tok_max - window_left, 0)
+        lo = lo // BLOCK_N * BLOCK_N
+        hi_pad = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(lo, tl.cdiv(full_lo, BLOCK_N) * BLOCK_N), hi_pad)
+        mid_hi = tl.maximum(mid_lo, full_hi // BLOCK_N * BLOCK_N)
+        if HAS_MASK:
+            mid_lo = hi_pad
+            mid_hi = hi_pad
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for n0 in range(lo, mid_lo, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE)
+        for n0 in range(mid_lo, mid_hi, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE)
+        for n0 in range(mid_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE)
+
+        # Rows that saw no key: output 0 and lse -inf.
+        empty = l_i == 0.0
+        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+        o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        dv = tl.arange(0, HEAD_DIM)
+        tl.store(O + o_row[:, None] + dv[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+        if RETURN_LSE:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+            tl.store(LSE + l_row, lse, mask=row_ok)
+
+
+def kv_strides(t: torch.Tensor, kv_layout: str, paged: bool):
+    """(page, slot, head) element strides of a 4-D paged K or V cache, or (token, 0, head) of ragged K/V."""
+    if paged:
+        if kv_layout == "NHD":
+            return t.stride(0), t.stride(1), t.stride(2)
+        return t.stride(0), t.stride(2), t.stride(1)
+    if kv_layout == "NHD":
+        return t.stride(0), 0, t.stride(1)
+    return t.stride(1), 0, t.stride(0)
+
+
+def _present(placeholder, *tensors):
+    """Pointers the kernel never reads (their feature is compiled out) still need a tensor."""
+    return [placeholder if t is None else t for t in tensors]
+
+
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale: float = 1.0, v_scale: float = 1.0):
+    """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
+
+    k_scale folds into the logit scale and v_scale into the output, inside the kernel."""
+    sk = kv_strides(k, kv_layout, plan.paged)
+    sv = kv_strides(v, kv_layout, plan.paged)
+    lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    cfg = plan.tiles
+    prefill_kernel[(grid0, plan.num_kv_heads)](
+        q, k, v, out, lse_arg,
+        q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
+        plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
+                                                                              plan.last_page_len, plan.mask,
+                                                                              plan.mask_indptr),
+        plan.sm_scale * k_scale * LOG2E, plan.sm_scale * k_scale, plan.soft_cap, plan.window_left,
+        plan.log2_theta, plan.rcp_scale, v_scale,
+        GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
+        RETURN_LSE=lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,62 @@
+"""Triton kernel for `append_paged_kv_cache`: scatter appended K/V tokens into their cache pages.
+
+Grid: (token blocks, kv heads). Each program copies a `[BLOCK_T, BLOCK_D]` tile of K and of V for one
+head; the destination page and slot of each token come from batch_indices/positions through the CSR
+page table. The caller passes NHD-ordered views (page, slot, head, dim) of both caches, so HND caches,
+the two halves of a 5-D cache and caches that are slices of larger buffers all arrive as strides.
+Every tensor's last (D) stride is 1.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _append_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr,
+    batch_indices_ptr, positions_ptr, kv_indptr_ptr, kv_indices_ptr,
+    nnz, page_size, head_dim,
+    s_key_t, s_key_h, s_value_t, s_value_h,
+    s_kc_page, s_kc_slot, s_kc_head, s_vc_page, s_vc_slot, s_vc_head,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    head = tl.program_id(1).to(tl.int64)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < nnz
+    dims = tl.arange(0, BLOCK_D)
+    tile_ok = token_ok[:, None] & (dims < head_dim)[None, :]
+
+    batch = tl.load(batch_indices_ptr + tokens, mask=token_ok, other=0)
+    pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+    page_entry = tl.load(kv_indptr_ptr + batch, mask=token_ok, other=0) + pos // page_size
+    # int64 from here on: page * page stride exceeds 2**31 elements for large caches.
+    page = tl.load(kv_indices_ptr + page_entry, mask=token_ok, other=0).to(tl.int64)
+    slot = (pos % page_size).to(tl.int64)
+    t64 = tokens.to(tl.int64)
+    d64 = dims.to(tl.int64)
+
+    key = tl.load(key_ptr + (t64 * s_key_t + head * s_key_h)[:, None] + d64[None, :], mask=tile_ok)
+    value = tl.load(value_ptr + (t64 * s_value_t + head * s_value_h)[:, None] + d64[None, :], mask=tile_ok)
+    k_dst = page * s_kc_page + slot * s_kc_slot + head * s_kc_head
+    v_dst = page * s_vc_page + slot * s_vc_slot + head * s_vc_head
+    tl.store(k_cache_ptr + k_dst[:, None] + d64[None, :], key, mask=tile_ok)
+    tl.store(v_cache_ptr + v_dst[:, None] + d64[None, :], value, mask=tile_ok)
+
+
+def append(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr):
+    """k_cache/v_cache: NHD-ordered views `[pages, page_size, Hkv, D]`. Every tensor's last stride is 1
+    (the caller copies append_key/append_value otherwise): a unit D stride is what makes the loads wide."""
+    nnz, num_kv_heads, head_dim = append_key.shape
+    if nnz == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    # About 2K elements per tile: wide enough to vectorise D, small enough for decode batches.
+    block_t = max(1, min(64, 2048 // block_d, triton.next_power_of_2(nnz)))
+    grid = (triton.cdiv(nnz, block_t), num_kv_heads)
+    _append_kernel[grid](
+        append_key, append_value, k_cache, v_cache,
+        batch_indices, positions, kv_indptr, kv_indices,
+        nnz, k_cache.shape[1], head_dim,
+        *append_key.stride()[:2], *append_value.stride()[:2],
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        BLOCK_T=block_t, BLOCK_D=block_d,
+    )

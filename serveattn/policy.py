@@ -1,0 +1,233 @@
+"""What serveattn serves, and the one sentence for what it does not.
+
+Every public entry point asks this module before it compiles or launches anything. A wrong argument
+raises ``ValueError``; a valid request this library does not serve raises ``NotImplementedError``.
+Each message names the entry point, the argument, the value received and what is supported.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+HEAD_DIMS = (64, 128, 256)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_LAYOUTS = ("NHD", "HND")
+POS_ENCODINGS = ("NONE", "ROPE_LLAMA")
+BACKENDS = ("auto", "triton", "torch", "fa2", "fa3")
+
+_DTYPE_NAMES = {
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "e5m2": torch.float8_e5m2,
+}
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def refuse(entry: str, message: str) -> None:
+    """A wrong argument: the caller must change it."""
+    raise ValueError(f"{entry}: {message}")
+
+
+def unsupported(entry: str, message: str) -> None:
+    """A valid request that this library does not serve."""
+    raise NotImplementedError(f"{entry}: {message}")
+
+
+# ---------------------------------------------------------------- dtypes
+
+def canonical_dtype(entry: str, name: str, value) -> torch.dtype:
+    """Accepts a torch dtype or FlashInfer's string spelling of one."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.replace("torch.", "")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    refuse(entry, f"{name}={value!r} is not a dtype; pass a torch dtype such as torch.bfloat16 "
+                  f"or its name ('float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2').")
+
+
+def check_q_dtype(entry: str, dtype: torch.dtype, name: str = "q") -> None:
+    if dtype in HALF_DTYPES:
+        return
+    if dtype in FP8_DTYPES:
+        unsupported(entry, f"{name} dtype {dtype} (an fp8 query) is not served yet; "
+                           f"supported query dtypes are {_names(HALF_DTYPES)}.")
+    _unsupported_dtype(entry, name, dtype)
+
+
+def check_kv_dtype(entry: str, kv_dtype: torch.dtype, q_dtype: torch.dtype, name: str = "kv") -> None:
+    if kv_dtype in FP8_DTYPES:
+        unsupported(entry, f"{name} dtype {kv_dtype} (an fp8 KV cache) is not served yet; "
+                           f"the KV cache must have the query's dtype ({q_dtype}).")
+    if kv_dtype not in HALF_DTYPES:
+        _unsupported_dtype(entry, name, kv_dtype)
+    if kv_dtype != q_dtype:
+        unsupported(entry, f"{name} dtype {kv_dtype} differs from the query dtype {q_dtype}; "
+                           f"a 16-bit KV cache must have the query's dtype.")
+
+
+def _unsupported_dtype(entry: str, name: str, dtype: torch.dtype) -> None:
+    text = str(dtype)
+    if "fnuz" in text:
+        why = "the AMD fnuz fp8 encodings are not served (use float8_e4m3fn or float8_e5m2)"
+    elif dtype in (torch.int8, torch.uint8):
+        why = "integer caches are not served"
+    elif dtype == torch.float32:
+        why = "float32 inputs are not served"
+    else:
+        why = "this dtype is not served"
+    unsupported(entry, f"{name} dtype {dtype}: {why}; supported: {_names(HALF_DTYPES)}.")
+
+
+def check_o_dtype(entry: str, o_dtype: torch.dtype) -> None:
+    if o_dtype not in HALF_DTYPES:
+        unsupported(entry, f"o_data_type={o_dtype} is not served; supported output dtypes are "
+                           f"{_names(HALF_DTYPES)}.")
+
+
+def check_same_kv_dtype(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.dtype != v.dtype:
+        refuse(entry, f"k has dtype {k.dtype} but v has dtype {v.dtype}; K and V must share one dtype.")
+
+
+# ---------------------------------------------------------------- shapes and options
+
+def check_heads(entry: str, num_qo_heads: int, num_kv_heads: int) -> None:
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or value < 1:
+            refuse(entry, f"{name}={value!r} must be a positive int.")
+    if num_qo_heads % num_kv_heads:
+        refuse(entry, f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
+
+
+def check_head_dim(entry: str, head_dim: int, head_dim_vo: Optional[int] = None) -> None:
+    if head_dim not in HEAD_DIMS:
+        unsupported(entry, f"head_dim={head_dim} is not served; supported head dims are "
+                           f"{', '.join(map(str, HEAD_DIMS))}.")
+    if head_dim_vo is not None and head_dim_vo != head_dim:
+        unsupported(entry, f"head_dim_vo={head_dim_vo} differs from head_dim_qk={head_dim}; "
+                           f"only equal head dims are served.")
+
+
+def check_kv_layout(entry: str, kv_layout: str) -> None:
+    if kv_layout not in KV_LAYOUTS:
+        refuse(entry, f"kv_layout={kv_layout!r} is not a layout; supported: 'NHD', 'HND'.")
+
+
+def check_pos_encoding(entry: str, mode: str) -> None:
+    if mode == "ALIBI":
+        unsupported(entry, "pos_encoding_mode='ALIBI' is not served yet; supported: 'NONE', 'ROPE_LLAMA'.")
+    if mode not in POS_ENCODINGS:
+        refuse(entry, f"pos_encoding_mode={mode!r} is not a mode; supported: 'NONE', 'ROPE_LLAMA'.")
+
+
+def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=None,
+                  rope_scale=None, rope_theta=None) -> None:
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
+                                     and sm_scale > 0):
+        refuse(entry, f"sm_scale={sm_scale!r} must be a positive finite float.")
+    if not isinstance(window_left, int) or window_left < -1:
+        refuse(entry, f"window_left={window_left!r} must be an int >= -1 (-1 disables the window).")
+    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
+                                            and math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        refuse(entry, f"logits_soft_cap={logits_soft_cap!r} must be a finite float >= 0 "
+                      f"(0 or None disables it).")
+    for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            refuse(entry, f"{name}={value!r} must be a positive finite float.")
+
+
+def check_backend(entry: str, backend: str) -> None:
+    if backend not in BACKENDS:
+        refuse(entry, f"backend={backend!r} is not a backend; supported: {', '.join(map(repr, BACKENDS))}.")
+
+
+# ---------------------------------------------------------------- index tensors and page tables
+
+def check_index(entry: str, name: str, t, min_len: int = 0) -> None:
+    if not isinstance(t, torch.Tensor):
+        refuse(entry, f"{name} must be an int32 torch.Tensor, got {type(t).__name__}.")
+    if t.dtype != torch.int32:
+        refuse(entry, f"{name} has dtype {t.dtype}; index tensors must be int32 (int64 is not cast).")
+    if t.dim() != 1:
+        refuse(entry, f"{name} must be 1-D, got shape {tuple(t.shape)}.")
+    if t.numel() < min_len:
+        refuse(entry, f"{name} has {t.numel()} elements; at least {min_len} are needed.")
+
+
+def check_indptr(entry: str, name: str, indptr_host: torch.Tensor, total: Optional[int] = None) -> None:
+    """indptr_host is a CPU int64 copy; it must start at 0 and never decrease."""
+    if indptr_host.numel() and int(indptr_host[0]) != 0:
+        refuse(entry, f"{name}[0]={int(indptr_host[0])}; an indptr must start at 0.")
+    if indptr_host.numel() > 1 and bool((indptr_host[1:] < indptr_host[:-1]).any()):
+        refuse(entry, f"{name} decreases somewhere; an indptr must be non-decreasing.")
+    if total is not None and int(indptr_host[-1]) > total:
+        refuse(entry, f"{name}[-1]={int(indptr_host[-1])} exceeds the {total} entries it indexes.")
+
+
+def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                  page_size: int, num_pages: Optional[int] = None) -> torch.Tensor:
+    """Validates a CSR page table on the host; returns kv_len per request (CPU int64)."""
+    if not isinstance(page_size, int) or page_size < 1:
+        refuse(entry, f"page_size={page_size!r} must be a positive int.")
+    check_index(entry, "paged_kv_indptr", indptr, min_len=1)
+    check_index(entry, "paged_kv_indices", indices)
+    check_index(entry, "paged_kv_last_page_len", last_page_len)
+    batch = indptr.numel() - 1
+    if last_page_len.numel() != batch:
+        refuse(entry, f"paged_kv_last_page_len has {last_page_len.numel()} entries for a batch of {batch} "
+                      f"(paged_kv_indptr has {indptr.numel()}).")
+    ip = indptr.to("cpu", torch.int64)
+    check_indptr(entry, "paged_kv_indptr", ip, total=indices.numel())
+    pages = ip[1:] - ip[:-1]
+    last = last_page_len.to("cpu", torch.int64)
+    bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        refuse(entry, f"paged_kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+                      f"for a request that owns pages.")
+    if num_pages is not None and indices.numel():
+        idx = indices.to("cpu", torch.int64)[: int(ip[-1])]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_pages):
+            refuse(entry, f"paged_kv_indices holds page {int(idx.max()) if int(idx.max()) >= num_pages else int(idx.min())} "
+                          f"outside the cache's {num_pages} pages.")
+    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+
+
+def check_causal_lengths(entry: str, qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    bad = kv_lens < qo_lens
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        refuse(entry, f"causal=True with kv_len={int(kv_lens[i])} < qo_len={int(qo_lens[i])} for request {i}; "
+                      f"bottom-right causal attention needs kv_len >= qo_len.")
+
+
+# ---------------------------------------------------------------- tensors given at run time
+
+def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        refuse(entry, f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if tuple(t.shape) != tuple(shape):
+        refuse(entry, f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}.")
+    if t.dtype != dtype:
+        refuse(entry, f"{name} has dtype {t.dtype}; expected {dtype}.")
+    if t.device != torch.device(device):
+        refuse(entry, f"{name} is on {t.device}; expected {torch.device(device)}.")
+    if t.numel() and t.stride(-1) != 1:
+        refuse(entry, f"{name} must have a contiguous last dimension (stride {t.stride(-1)} received).")
+
+
+def check_same_device(entry: str, device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            refuse(entry, f"{name} is on {t.device} but the computation runs on {device}.")

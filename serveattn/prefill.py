@@ -1,0 +1,483 @@
+"""Prefill entry points with FlashInfer's names: single, ragged-batch and paged-batch prefill.
+
+`plan()` validates on the host and builds the tile schedule; `run()` checks the tensors it is given
+against the plan and launches. A `plan()` that raises changes nothing: all checks run before any
+state or caller buffer is touched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from . import backend as backends
+from . import policy, torch_impl
+from .kernels import attention as attention_kernel
+from .quantization import segment_packbits
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device) -> TileConfig:
+    """Tile shapes per head dim; small query blocks when a request has few (token, head) rows.
+
+    max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it)."""
+    if device.type != "cuda":  # the interpreter: fewer, larger numpy steps are faster
+        block_m = 64 if max_qo_len is None else min(64, max(16, triton_next_pow2(max_qo_len * group)))
+        return TileConfig(block_m, 32, 4, 1)
+    if head_dim == 256:
+        block_m, block_n, warps, stages = 64, 64, 4, 2
+    else:
+        block_m, block_n, warps, stages = 128, 64 if head_dim == 128 else 128, 8, 3
+    if max_qo_len is not None:
+        block_m = min(block_m, max(16, triton_next_pow2(max_qo_len * group)))
+        if block_m <= 32:
+            warps = 4
+    return TileConfig(block_m, block_n, warps, stages)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclass
+class Plan:
+    """Everything run() needs; host values are Python/CPU, device tensors live on the compute device."""
+    paged: bool
+    backend: str
+    device: torch.device
+    num_qo_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    causal: bool
+    has_mask: bool
+    window_left: int
+    soft_cap: float
+    rope: bool
+    sm_scale: float
+    log2_theta: float
+    rcp_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    batch: int
+    total_q: int
+    tiles: TileConfig
+    num_work_host: int
+    # host copies (torch path and checks)
+    qo_indptr_host: torch.Tensor
+    kv_indptr_host: torch.Tensor
+    kv_indices_host: torch.Tensor
+    kv_lens_host: torch.Tensor
+    mask_host: Optional[torch.Tensor]
+    # device tensors (kernel path)
+    work: Optional[torch.Tensor] = None
+    num_work: Optional[torch.Tensor] = None
+    qo_indptr: Optional[torch.Tensor] = None
+    kv_indptr: Optional[torch.Tensor] = None
+    kv_indices: Optional[torch.Tensor] = None
+    last_page_len: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+    mask_indptr: Optional[torch.Tensor] = None
+
+    def static_signature(self):
+        """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
+        return (self.paged, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.causal,
+                self.has_mask, self.window_left, self.soft_cap, self.rope, self.sm_scale, self.log2_theta,
+                self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles)
+
+
+def build_work(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, block_m: int, causal: bool):
+    """(request, query tile) pairs, costliest first so the last wave is short; int32 [2 * n]."""
+    tiles = (qo_lens * group + block_m - 1) // block_m
+    n = int(tiles.sum())
+    req = torch.repeat_interleave(torch.arange(qo_lens.numel()), tiles)
+    first = torch.cumsum(tiles, 0) - tiles
+    tile = torch.arange(n) - torch.repeat_interleave(first, tiles)
+    keys = kv_lens[req].clone()
+    if causal:  # a tile sees keys up to its last row's diagonal
+        last_tok = torch.minimum((tile + 1) * block_m // group, qo_lens[req])
+        keys = torch.minimum(keys, kv_lens[req] - qo_lens[req] + last_tok)
+    order = torch.sort(keys, descending=True, stable=True).indices
+    return torch.stack([req[order], tile[order]], 1).reshape(-1).to(torch.int32), n
+
+
+def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
+              num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
+              pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+              q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool) -> Plan:
+    """All host-side validation and schedule building; touches no state and no caller buffer."""
+    policy.check_heads(entry, num_qo_heads, num_kv_heads)
+    policy.check_head_dim(entry, head_dim, head_dim_vo)
+    policy.check_pos_encoding(entry, pos_encoding_mode)
+    policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                         rope_scale=rope_scale, rope_theta=rope_theta)
+    q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
+    kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
+    o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
+    policy.check_q_dtype(entry, q_dtype, "q_data_type")
+    policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
+    policy.check_o_dtype(entry, o_dtype)
+    if custom_mask is not None and packed_custom_mask is not None:
+        policy.refuse(entry, "custom_mask and packed_custom_mask were both given; pass one of them.")
+
+    policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
+    qo_host = qo_indptr.to("cpu", torch.int64)
+    policy.check_indptr(entry, "qo_indptr", qo_host)
+    batch = qo_host.numel() - 1
+    if paged:
+        kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
+        kv_host = kv_indptr.to("cpu", torch.int64)
+        idx_host = kv_indices.to("cpu", torch.int64)
+    else:
+        policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
+        kv_host = kv_indptr.to("cpu", torch.int64)
+        policy.check_indptr(entry, "kv_indptr", kv_host)
+        kv_lens = kv_host[1:] - kv_host[:-1]
+        idx_host = None
+        page_size = 1
+    if kv_host.numel() - 1 != batch:
+        policy.refuse(entry, f"qo_indptr describes {batch} requests but the KV indptr describes "
+                             f"{kv_host.numel() - 1}.")
+    qo_lens = qo_host[1:] - qo_host[:-1]
+    mask_host = None
+    if custom_mask is not None or packed_custom_mask is not None:
+        mask_host = _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens)
+    elif causal:
+        policy.check_causal_lengths(entry, qo_lens, kv_lens)
+
+    device = torch.device(device)
+    chosen = backends.resolve(entry, backend, device)
+    group = num_qo_heads // num_kv_heads
+    max_qo = None if graph_tiles else int(qo_lens.max()) if batch else 1
+    tiles = choose_tiles(head_dim, group, max_qo, device)
+    rope = pos_encoding_mode == "ROPE_LLAMA"
+    plan = Plan(
+        paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        group=group, head_dim=head_dim, page_size=page_size, causal=bool(causal) and mask_host is None,
+        has_mask=mask_host is not None, window_left=window_left,
+        soft_cap=float(logits_soft_cap or 0.0), rope=rope,
+        sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+        log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
+        rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_host[-1]),
+        tiles=tiles, num_work_host=0, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
+        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host)
+    if chosen == "triton":
+        work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        plan.work, plan.num_work_host = work, n
+        plan.num_work = torch.tensor([n], dtype=torch.int32)
+        plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
+        plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
+        if mask_host is not None:
+            plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(qo_lens, kv_lens))
+    return plan
+
+
+def _mask_indptr(qo_lens, kv_lens):
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qo_lens * kv_lens, 0)]).to(torch.int32)
+
+
+def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> torch.Tensor:
+    """Returns the flat bool mask on the host (a packed mask is unpacked once, here)."""
+    bits = int((qo_lens * kv_lens).sum())
+    if custom_mask is not None:
+        if custom_mask.dtype != torch.bool:
+            policy.refuse(entry, f"custom_mask has dtype {custom_mask.dtype}; it must be bool.")
+        if custom_mask.numel() != bits:
+            policy.refuse(entry, f"custom_mask has {custom_mask.numel()} elements; the batch's "
+                                 f"sum(qo_len * kv_len) is {bits}.")
+        return custom_mask.reshape(-1).to("cpu")
+    if packed_custom_mask.dtype != torch.uint8:
+        policy.refuse(entry, f"packed_custom_mask has dtype {packed_custom_mask.dtype}; it must be uint8.")
+    seg_bytes = (qo_lens * kv_lens + 7) // 8
+    if packed_custom_mask.numel() != int(seg_bytes.sum()):
+        policy.refuse(entry, f"packed_custom_mask has {packed_custom_mask.numel()} bytes; per-request "
+                             f"segments padded to whole bytes need {int(seg_bytes.sum())}.")
+    packed = packed_custom_mask.reshape(-1).to("cpu")
+    # Unpack each request's byte-padded segment and drop its pad bits.
+    unpacked = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
+    starts = torch.repeat_interleave((torch.cumsum(seg_bytes, 0) - seg_bytes) * 8, qo_lens * kv_lens)
+    offs = torch.arange(bits) - torch.repeat_interleave(torch.cumsum(qo_lens * kv_lens, 0) - qo_lens * kv_lens,
+                                                        qo_lens * kv_lens)
+    return unpacked[starts + offs]
+
+
+def split_paged_cache(entry: str, cache, kv_layout: str):
+    """(k, v) 4-D views of a 5-D cache or a (k_cache, v_cache) tuple."""
+    if isinstance(cache, (tuple, list)):
+        if len(cache) != 2:
+            policy.refuse(entry, f"paged_kv_cache tuple has {len(cache)} tensors; expected (k_cache, v_cache).")
+        k, v = cache
+    else:
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
+            shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+            policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
+                                 f"or a (k_cache, v_cache) tuple.")
+        k, v = cache[:, 0], cache[:, 1]
+    policy.check_same_kv_dtype(entry, k, v)
+    return k, v
+
+
+class _PrefillWrapper:
+    _entry = "BatchPrefill"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 backend: str = "auto"):
+        policy.check_kv_layout(self._entry, kv_layout)
+        policy.check_backend(self._entry, backend)
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        self._workspace = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._backend_request = backend
+        self._plan: Optional[Plan] = None
+        self._graph_plan: Optional[Plan] = None  # the plan whose buffers the captured graph reads
+        self._graph_q_rows: Optional[int] = None
+        self.backend = None
+        self.backend_fallback_reason = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._workspace.device
+
+    def _commit(self, plan: Plan) -> None:
+        """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
+        if plan.backend == "triton":
+            if self._use_cuda_graph:
+                self._check_graph_replan(plan)
+            names = ("work", "num_work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len",
+                     "mask", "mask_indptr")
+            # Copies, never aliases: the caller may reuse its index tensors after plan().
+            moved = {n: getattr(plan, n).to(self.device, non_blocking=True, copy=True)
+                     if getattr(plan, n) is not None else None for n in names}
+            if self._use_cuda_graph and self._graph_plan is not None:
+                moved = self._write_graph_buffers(plan, moved)
+            plan = replace(plan, **moved)
+            if self._use_cuda_graph and self._graph_plan is None:
+                self._graph_plan = plan
+        self._plan = plan
+        self.backend = plan.backend
+
+    def _check_graph_replan(self, plan: Plan) -> None:
+        first = self._graph_plan
+        if first is None:
+            return
+        if plan.static_signature() != first.static_signature():
+            policy.refuse(self._entry, "under use_cuda_graph=True a re-plan may change only the batch's "
+                                       "lengths and page table; heads, head dim, dtypes, page size, mask mode, "
+                                       "scales and positional encoding must stay as first planned.")
+        for name in ("work", "kv_indptr", "kv_indices", "qo_indptr", "last_page_len", "mask", "mask_indptr"):
+            new, old = getattr(plan, name), getattr(first, name)
+            if new is not None and old is not None and new.numel() > old.numel():
+                policy.refuse(self._entry, f"under use_cuda_graph=True the re-plan needs {new.numel()} entries "
+                                           f"of its {name} buffer but the captured buffer holds {old.numel()}.")
+        if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
+            policy.refuse(self._entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
+                                       f"the captured q holds {self._graph_q_rows}.")
+
+    def _write_graph_buffers(self, plan: Plan, moved: dict) -> dict:
+        first = self._graph_plan
+        for name, t in moved.items():
+            buf = getattr(first, name)
+            if t is not None and buf is not None:
+                buf[: t.numel()].copy_(t, non_blocking=True)
+                moved[name] = buf
+        return moved
+
+    def _check_run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+        entry = self._entry + ".run"
+        plan = self._plan
+        if plan is None:
+            policy.refuse(entry, "run() was called before plan().")
+        policy.check_tensor(entry, "q", q, (plan.total_q, plan.num_qo_heads, plan.head_dim), plan.q_dtype, plan.device)
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != plan.kv_dtype:
+                policy.refuse(entry, f"{name} cache has dtype {t.dtype} but the plan declared {plan.kv_dtype}.")
+            if t.device != plan.device:
+                policy.refuse(entry, f"{name} cache is on {t.device}; expected {plan.device}.")
+            if t.stride(-1) != 1:
+                policy.refuse(entry, f"{name} must have a contiguous last dimension.")
+        if out is not None:
+            policy.check_tensor(entry, "out", out, (plan.total_q, plan.num_qo_heads, plan.head_dim), plan.o_dtype,
+                                plan.device)
+        if lse is not None:
+            policy.check_tensor(entry, "lse", lse, (plan.total_q, plan.num_qo_heads), torch.float32, plan.device)
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is not None and not isinstance(s, (int, float)):
+                policy.unsupported(entry, f"{name} must be a Python float for 16-bit caches "
+                                          f"(got {type(s).__name__}).")
+
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+        self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+        plan = self._plan
+        if out is None:
+            out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
+        if lse is None and return_lse:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if plan.backend == "torch":
+            torch_impl.prefill(q, k, v, out, lse, plan, self._kv_layout, k_scale, v_scale)
+        else:
+            if self._use_cuda_graph and self._graph_q_rows is None:
+                self._graph_q_rows = plan.total_q
+            grid0 = self._grid0(plan)
+            if grid0:
+                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0,
+                                        1.0 if k_scale is None else float(k_scale),
+                                        1.0 if v_scale is None else float(v_scale))
+        return (out, lse) if return_lse else out
+
+    def _grid0(self, plan: Plan) -> int:
+        if not self._use_cuda_graph:
+            return plan.num_work_host
+        if plan.device.type != "cuda":
+            return 4
+        return 2 * torch.cuda.get_device_properties(plan.device).multi_processor_count
+
+    # FlashInfer spells run() also as forward() in older releases.
+    def forward(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
+    """Prefill over a paged KV cache (FlashInfer's wrapper of the same name)."""
+    _entry = "BatchPrefillWithPagedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        if jit_args is not None:
+            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
+             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking=True, seq_lens=None, **unsupported_kwargs):
+        _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        plan = make_plan(
+            self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
+            kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk, head_dim_vo=head_dim_vo,
+            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
+            backend=self._backend_request, graph_tiles=self._use_cuda_graph)
+        self._commit(plan)
+
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
+        entry = self._entry + ".run"
+        k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
+        plan = self._plan
+        if plan is not None:
+            want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
+                (plan.num_kv_heads, plan.page_size, plan.head_dim)
+            for name, t in (("k", k), ("v", v)):
+                if t.dim() != 4 or tuple(t.shape[1:]) != want:
+                    policy.refuse(entry, f"{name} cache has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
+                                         f"expects [num_pages, {', '.join(map(str, want))}].")
+            if plan.kv_indices_host is not None and plan.kv_indices_host.numel() and self.device.type != "cuda":
+                if int(plan.kv_indices_host[: int(plan.kv_indptr_host[-1])].max(initial=0)) >= k.shape[0]:
+                    policy.refuse(entry, f"paged_kv_indices refers to pages beyond the cache's {k.shape[0]} pages.")
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
+    """Prefill over ragged (contiguous, per-request concatenated) K/V (FlashInfer's wrapper of the same name)."""
+    _entry = "BatchPrefillWithRaggedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
+        if jit_args is not None:
+            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
+             use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+             rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
+             **unsupported_kwargs):
+        _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        plan = make_plan(
+            self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
+            last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph)
+        self._commit(plan)
+
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
+        entry = self._entry + ".run"
+        policy.check_same_kv_dtype(entry, k, v)
+        plan = self._plan
+        if plan is not None:
+            total_kv = int(plan.kv_indptr_host[-1])
+            want = (total_kv, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
+                (plan.num_kv_heads, total_kv, plan.head_dim)
+            for name, t in (("k", k), ("v", v)):
+                if tuple(t.shape) != want:
+                    policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
+                                         f"expects {list(want)}.")
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+
+
+def _refuse_extra(entry: str, kwargs: dict) -> None:
+    if kwargs:
+        policy.unsupported(entry, f"argument(s) {', '.join(sorted(kwargs))} are not served.")
+
+
+def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
+                    window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale,
+                    entry):
+    policy.check_kv_layout(entry, kv_layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            policy.refuse(entry, f"{name} must be a 3-D tensor, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
+    policy.check_same_kv_dtype(entry, k, v)
+    if k.shape != v.shape:
+        policy.refuse(entry, f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}.")
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    if k.shape[2] != q.shape[2]:
+        policy.refuse(entry, f"q has head dim {q.shape[2]} but k has {k.shape[2]}.")
+    policy.check_same_device(entry, q.device, k=k, v=v)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(q.new_empty(0, dtype=torch.uint8), kv_layout, backend=backend)
+    wrapper._entry = entry
+    mask = custom_mask.reshape(-1) if custom_mask is not None else None
+    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
+                 q.shape[1], num_kv_heads, q.shape[2], custom_mask=mask, packed_custom_mask=packed_custom_mask,
+                 causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                 logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                 q_data_type=q.dtype, kv_data_type=k.dtype)
+    return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+
+def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal=False, kv_layout="NHD",
+                                 pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
+                                 window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                                 backend="auto", return_lse=False, k_scale=None, v_scale=None):
+    """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND)."""
+    return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
+                           window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
+                           v_scale, "single_prefill_with_kv_cache")
+
+
+def single_prefill_with_kv_cache_return_lse(q, k, v, **kwargs):
+    """single_prefill_with_kv_cache with return_lse=True: returns (out, lse), lse in base 2."""
+    kwargs["return_lse"] = True
+    return single_prefill_with_kv_cache(q, k, v, **kwargs)
