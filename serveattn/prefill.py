@@ -74,6 +74,7 @@ class Plan:
     total_q: int
     tiles: TileConfig
     num_work_host: int
+    max_page: int  # the largest page index the table uses (-1 if none), checked against the cache at run()
     # host copies (torch path and checks)
     qo_indptr_host: torch.Tensor
     kv_indptr_host: torch.Tensor
@@ -139,6 +140,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
         kv_host = kv_indptr.to("cpu", torch.int64)
         idx_host = kv_indices.to("cpu", torch.int64)
+        used = idx_host[: int(kv_host[-1])]
+        if used.numel() and int(used.min()) < 0:
+            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
+        max_page = int(used.max()) if used.numel() else -1
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
         kv_host = kv_indptr.to("cpu", torch.int64)
@@ -146,6 +151,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens = kv_host[1:] - kv_host[:-1]
         idx_host = None
         page_size = 1
+        max_page = -1
     if kv_host.numel() - 1 != batch:
         policy.refuse(entry, f"qo_indptr describes {batch} requests but the KV indptr describes "
                              f"{kv_host.numel() - 1}.")
@@ -171,7 +177,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_host[-1]),
-        tiles=tiles, num_work_host=0, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
+        tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
         kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host)
     if chosen == "triton":
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
@@ -389,9 +395,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 if t.dim() != 4 or tuple(t.shape[1:]) != want:
                     policy.refuse(entry, f"{name} cache has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
                                          f"expects [num_pages, {', '.join(map(str, want))}].")
-            if plan.kv_indices_host is not None and plan.kv_indices_host.numel() and self.device.type != "cuda":
-                if int(plan.kv_indices_host[: int(plan.kv_indptr_host[-1])].max(initial=0)) >= k.shape[0]:
-                    policy.refuse(entry, f"paged_kv_indices refers to pages beyond the cache's {k.shape[0]} pages.")
+            if plan.max_page >= k.shape[0]:
+                policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
+                                     f"{k.shape[0]} pages.")
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
 
 

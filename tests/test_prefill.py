@@ -1,0 +1,172 @@
+"""Prefill family against the float64 reference: paged and ragged batches, single requests, both backends."""
+import itertools
+
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import check_lse, make_paged_batch, nan_like, random_lengths, rel_err, tolerance
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128, 256]
+VARIANTS = ["plain", "causal", "custom_mask", "packed_mask", "window", "soft_cap", "rope"]
+GQA = [(4, 4), (8, 2), (8, 1)]  # ratios 1, 4, 8
+PAGE_SIZES = [1, 16, 5]
+
+
+def _cases():
+    """dtype x head dim x variant in full; layout, GQA ratio, page size and cache form cycle through it."""
+    cases = []
+    cycle = itertools.cycle(itertools.product(["NHD", "HND"], GQA, PAGE_SIZES, ["5d", "tuple", "view"]))
+    for dtype, head_dim, variant in itertools.product(DTYPES, HEAD_DIMS, VARIANTS):
+        layout, heads, page_size, form = next(cycle)
+        cases.append(pytest.param(dtype, head_dim, variant, layout, heads, page_size, form,
+                                  id=f"{str(dtype)[6:]}-d{head_dim}-{variant}-{layout}-g{heads[0] // heads[1]}"
+                                     f"-p{page_size}-{form}"))
+    return cases
+
+
+def _options(variant, gen, qo_lens, kv_lens):
+    """Keyword options for plan() and the reference; masks are drawn per request."""
+    opts = {"causal": variant in ("causal", "window", "rope")}
+    if variant in ("custom_mask", "packed_mask"):
+        blocks = [torch.rand(q * k, generator=gen) < 0.6 for q, k in zip(qo_lens, kv_lens)]
+        mask = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+        opts["custom_mask"] = mask
+    if variant == "window":
+        opts["window_left"] = 7
+    if variant == "soft_cap":
+        opts["logits_soft_cap"] = 5.0
+        opts["sm_scale"] = 0.3
+    if variant == "rope":
+        opts["pos_encoding_mode"] = "ROPE_LLAMA"
+        opts["rope_theta"] = 500.0
+        opts["rope_scale"] = 2.0
+    return opts
+
+
+def _plan_kwargs(opts, variant):
+    kw = dict(opts)
+    seg = kw.pop("_seg", None)
+    if variant == "packed_mask":
+        mask = kw.pop("custom_mask")
+        kw["packed_custom_mask"], _ = serveattn.segment_packbits(mask, seg)
+    return kw
+
+
+def _mask_indptr(qo_lens, kv_lens):
+    return torch.tensor([0] + torch.cumsum(torch.tensor([q * k for q, k in zip(qo_lens, kv_lens)]), 0).tolist(),
+                        dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype,head_dim,variant,layout,heads,page_size,form", _cases())
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_and_ragged_against_reference(dtype, head_dim, variant, layout, heads, page_size, form, backend,
+                                            device):
+    gen = torch.Generator().manual_seed(hash((str(dtype), head_dim, variant, backend)) % 2**31)
+    hq, hkv = heads
+    causal = variant in ("causal", "window", "rope")
+    qo_lens, kv_lens = random_lengths(gen, 4, 9, 40, causal)
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
+                         tuple_cache=form == "tuple", non_contiguous=form == "view", device=device)
+    opts = _options(variant, gen, qo_lens, kv_lens)
+    opts["_seg"] = _mask_indptr(qo_lens, kv_lens)
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                             b.last_page_len, kv_layout=layout,
+                                             **{k: v for k, v in opts.items() if k != "_seg"})
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    wrapper = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout=layout, backend=backend)
+    wrapper.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, page_size,
+                 q_data_type=dtype, **_plan_kwargs(opts, variant))
+    out = nan_like(b.q.shape, dtype, device)
+    lse = nan_like(b.q.shape[:2], torch.float32, device)
+    wrapper.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    assert not torch.isnan(out).any(), "an output element was not written"
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)
+    # determinism: a second run is bitwise identical
+    out2, lse2 = wrapper.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+    # the ragged wrapper on the same requests' K/V, laid out contiguously
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    ragged = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout=layout, backend=backend)
+    ragged.plan(b.qo_indptr, kv_indptr.to(torch.int32).to(device), hq, hkv, head_dim, q_data_type=dtype,
+                **_plan_kwargs(opts, variant))
+    r_out, r_lse = ragged.run(b.q, k.to(device), v.to(device), return_lse=True)
+    assert rel_err(r_out, ref_out) < tolerance(dtype)
+    check_lse(r_lse, ref_lse)
+
+    # batch against single-request runs
+    mask = opts.get("custom_mask")
+    offset = 0
+    for i, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
+        if qo == 0:
+            continue
+        q0 = int(b.qo_indptr[i])
+        kk = k[:, int(kv_indptr[i]):int(kv_indptr[i + 1])] if layout == "HND" else \
+            k[int(kv_indptr[i]):int(kv_indptr[i + 1])]
+        vv = v[:, int(kv_indptr[i]):int(kv_indptr[i + 1])] if layout == "HND" else \
+            v[int(kv_indptr[i]):int(kv_indptr[i + 1])]
+        single_opts = {k_: v_ for k_, v_ in opts.items() if k_ not in ("_seg", "custom_mask")}
+        if mask is not None:
+            single_opts["custom_mask"] = mask[offset:offset + qo * kv].reshape(qo, kv).to(device)
+        s_out, s_lse = serveattn.single_prefill_with_kv_cache(
+            b.q[q0:q0 + qo], kk.to(device), vv.to(device), kv_layout=layout, backend=backend, return_lse=True,
+            **single_opts)
+        assert rel_err(s_out, out[q0:q0 + qo]) < tolerance(dtype)
+        check_lse(s_lse, lse[q0:q0 + qo])
+        offset += qo * kv
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_single_prefill_return_lse_and_scales(backend, device):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(12, 8, 128, generator=gen).to(torch.bfloat16).to(device)
+    k = torch.randn(30, 2, 128, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(30, 2, 128, generator=gen).to(torch.bfloat16).to(device)
+    out, lse = serveattn.single_prefill_with_kv_cache_return_lse(q, k, v, causal=True, backend=backend,
+                                                                 k_scale=0.5, v_scale=2.0)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, k_scale=0.5, v_scale=2.0)
+    assert rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+
+
+def test_triton_matches_torch_backend_bitwise_deterministic(device):
+    """Two wrappers planned alike give identical bits; the two backends agree to tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    b = make_paged_batch(gen, qo_lens=[5, 17, 3], kv_lens=[20, 40, 3], num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.float16, device=device)
+    outs = []
+    for backend in ("triton", "triton", "torch"):
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8, device=device),
+                                                          backend=backend)
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               q_data_type=torch.float16)
+        outs.append(w.run(b.q, b.cache))
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], outs[2].double()) < 2e-3
+
+
+def test_rejected_plan_leaves_previous_plan_runnable(device):
+    gen = torch.Generator().manual_seed(3)
+    b = make_paged_batch(gen, qo_lens=[4, 6], kv_lens=[20, 33], num_qo_heads=4, num_kv_heads=4, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8, device=device),
+                                                      backend="triton")
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, causal=True,
+           q_data_type=torch.bfloat16)
+    before = w.run(b.q, b.cache)
+    # a different page table that is rejected late (causal kv < qo): nothing of it may be installed
+    bad_indices = torch.flip(b.kv_indices, [0])
+    bad_last = torch.tensor([1, 1], dtype=torch.int32, device=device)
+    bad_indptr = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="causal=True with kv_len=1 < qo_len=4"):
+        w.plan(b.qo_indptr, bad_indptr, bad_indices, bad_last, 4, 4, 64, 16, causal=True,
+               q_data_type=torch.bfloat16)
+    after = w.run(b.q, b.cache)
+    assert torch.equal(before, after)
