@@ -235,6 +235,9 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
     return k, v
 
 
+_ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr")
+
+
 class _PrefillWrapper:
     _entry = "BatchPrefill"
 
@@ -249,7 +252,9 @@ class _PrefillWrapper:
         self._use_cuda_graph = use_cuda_graph
         self._backend_request = backend
         self._plan: Optional[Plan] = None
-        self._graph_plan: Optional[Plan] = None  # the plan whose buffers the captured graph reads
+        self._graph_bufs: Optional[dict] = None  # under use_cuda_graph: the buffers the captured graph reads
+        self._graph_signature = None
+        self._caller_bufs: dict = {}
         self._graph_q_rows: Optional[int] = None
         self.backend = None
         self.backend_fallback_reason = None
@@ -262,45 +267,59 @@ class _PrefillWrapper:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
         if plan.backend == "triton":
             if self._use_cuda_graph:
-                self._check_graph_replan(plan)
-            names = ("work", "num_work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len",
-                     "mask", "mask_indptr")
-            # Copies, never aliases: the caller may reuse its index tensors after plan().
-            moved = {n: getattr(plan, n).to(self.device, non_blocking=True, copy=True)
-                     if getattr(plan, n) is not None else None for n in names}
-            if self._use_cuda_graph and self._graph_plan is not None:
-                moved = self._write_graph_buffers(plan, moved)
-            plan = replace(plan, **moved)
-            if self._use_cuda_graph and self._graph_plan is None:
-                self._graph_plan = plan
+                plan = self._install_graph_plan(plan)
+            else:  # copies, never aliases: the caller may reuse its index tensors after plan()
+                plan = replace(plan, **{n: getattr(plan, n).to(self.device, non_blocking=True, copy=True)
+                                        for n in _ARRAYS if getattr(plan, n) is not None})
         self._plan = plan
         self.backend = plan.backend
 
-    def _check_graph_replan(self, plan: Plan) -> None:
-        first = self._graph_plan
-        if first is None:
-            return
-        if plan.static_signature() != first.static_signature():
-            policy.refuse(self._entry, "under use_cuda_graph=True a re-plan may change only the batch's "
-                                       "lengths and page table; heads, head dim, dtypes, page size, mask mode, "
-                                       "scales and positional encoding must stay as first planned.")
-        for name in ("work", "kv_indptr", "kv_indices", "qo_indptr", "last_page_len", "mask", "mask_indptr"):
-            new, old = getattr(plan, name), getattr(first, name)
-            if new is not None and old is not None and new.numel() > old.numel():
-                policy.refuse(self._entry, f"under use_cuda_graph=True the re-plan needs {new.numel()} entries "
-                                           f"of its {name} buffer but the captured buffer holds {old.numel()}.")
-        if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
-            policy.refuse(self._entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
-                                       f"the captured q holds {self._graph_q_rows}.")
+    def _install_graph_plan(self, plan: Plan) -> Plan:
+        """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
+        entry = self._entry + ".plan"
+        if self._graph_bufs is None:
+            bufs = self._allocate_graph_buffers(entry, plan)
+        else:
+            bufs = self._graph_bufs
+            if plan.static_signature() != self._graph_signature:
+                policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
+                                     "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
+                                     "soft cap, sm_scale and positional encoding must stay as first planned.")
+            if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
+                policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
+                                     f"the captured q holds {self._graph_q_rows}.")
+        for name in _ARRAYS:
+            t = getattr(plan, name)
+            if t is not None and t.numel() > bufs[name].numel():
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its "
+                                     f"{name} buffer, which holds {bufs[name].numel()}; give larger buffers "
+                                     f"(or workspace) at construction.")
+        # Every check passed: only now are the captured buffers overwritten.
+        for name in _ARRAYS:
+            t = getattr(plan, name)
+            if t is not None:
+                bufs[name][: t.numel()].copy_(t, non_blocking=True)
+        self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
+        return replace(plan, **{n: bufs[n] for n in _ARRAYS if getattr(plan, n) is not None})
 
-    def _write_graph_buffers(self, plan: Plan, moved: dict) -> dict:
-        first = self._graph_plan
-        for name, t in moved.items():
-            buf = getattr(first, name)
-            if t is not None and buf is not None:
-                buf[: t.numel()].copy_(t, non_blocking=True)
-                moved[name] = buf
-        return moved
+    def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
+        """The fixed buffers: the caller's where given, the work list in the workspace, else sized by this plan."""
+        ws = self._workspace
+        if ws.dtype != torch.uint8 or not ws.is_contiguous() or ws.numel() < 64:
+            policy.refuse(entry, f"under use_cuda_graph=True float_workspace_buffer must be a contiguous uint8 "
+                                 f"tensor of at least 64 bytes (got {ws.dtype}, {ws.numel()} elements).")
+        ints = ws[: ws.numel() // 4 * 4].view(torch.int32)
+        bufs = {"num_work": ints[:1], "work": ints[1:]}
+        for name in _ARRAYS[2:]:
+            given, t = self._caller_bufs.get(name), getattr(plan, name)
+            if given is not None:
+                want = torch.uint8 if name == "mask" else torch.int32
+                if given.dtype != want or given.device != self.device or given.dim() != 1:
+                    policy.refuse(entry, f"the {name} buffer must be a 1-D {want} tensor on {self.device}.")
+                bufs[name] = given
+            elif t is not None:
+                bufs[name] = torch.empty(t.numel(), dtype=t.dtype, device=self.device)
+        return bufs
 
     def _check_run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
         entry = self._entry + ".run"
@@ -366,6 +385,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
         if jit_args is not None:
             policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+        self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=paged_kv_indptr_buf,
+                                 kv_indices=paged_kv_indices_buf, last_page_len=paged_kv_last_page_len_buf,
+                                 mask=custom_mask_buf, mask_indptr=mask_indptr_buf)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
@@ -410,6 +432,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
         if jit_args is not None:
             policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+        self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf, mask=custom_mask_buf,
+                                 mask_indptr=mask_indptr_buf)
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",

@@ -1,5 +1,6 @@
 """Prefill family against the float64 reference: paged and ragged batches, single requests, both backends."""
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def _mask_indptr(qo_lens, kv_lens):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_paged_and_ragged_against_reference(dtype, head_dim, variant, layout, heads, page_size, form, backend,
                                             device):
-    gen = torch.Generator().manual_seed(hash((str(dtype), head_dim, variant, backend)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{head_dim}{variant}{backend}".encode()))
     hq, hkv = heads
     causal = variant in ("causal", "window", "rope")
     qo_lens, kv_lens = random_lengths(gen, 4, 9, 40, causal)

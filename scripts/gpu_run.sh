@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The one script to run on the H200 (the repository copied there, $OUT an output folder that comes back).
+#
+#   scripts/gpu_run.sh                       # env, GPU tests, prefill benchmark
+#   scripts/gpu_run.sh tests                 # only the GPU tests
+#   scripts/gpu_run.sh bench-prefill         # only the prefill benchmark
+#   scripts/gpu_run.sh env bench-prefill-quick
+#   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
+#
+# Steps: env (GPU, versions), tests (the whole suite on the GPU: the grid at CUDA, plus the @gpu tests), bench-prefill (python -m serveattn.bench prefill),
+# bench-prefill-quick (the same with --quick). No network there: the package runs from PYTHONPATH, nothing
+# is installed. Every step runs under `timeout` (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so the whole call
+# stays well under the 10-minute limit; a failing step does not stop the next one, and the exit codes of
+# all steps are printed at the end (and written to $OUT/summary.txt). Exit status: 0 only if every step
+# passed.
+set -u -o pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+BENCH_ARGS=${BENCH_ARGS:-}
+
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests bench-prefill)
+for s in "${STEPS[@]}"; do
+  case "$s" in
+    env|tests|bench-prefill|bench-prefill-quick) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick" >&2; exit 2 ;;
+  esac
+done
+
+declare -A RC=()
+T0=$SECONDS
+
+step_env() {
+  {
+    echo "== env ($(date -u +%FT%TZ), $(hostname))"
+    nvidia-smi -L
+    # Read-only query of the card's state as found (never change clocks, power, modes).
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,utilization.gpu \
+      --format=csv
+    python3 - <<'EOF'
+import platform, sys
+print("python", platform.python_version(), sys.executable)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except Exception as e:
+    print("torch: import failed:", e)
+for mod in ("triton", "numpy", "pytest", "hypothesis", "tqdm", "flashinfer"):
+    try:
+        m = __import__(mod)
+        print(mod, getattr(m, "__version__", "?"))
+    except Exception as e:
+        print(mod, "not importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+EOF
+  } 2>&1 | tee "$OUT/env.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_tests() {
+  echo "== tests: pytest, whole suite on the GPU (timeout ${TESTS_TIMEOUT}s)"
+  if ! python3 -c "import pytest" 2>/dev/null; then
+    echo "pytest is not importable on this machine; GPU tests not run." | tee "$OUT/gpu-tests.log"
+    return 127
+  fi
+  timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest tests -q -n ${TEST_WORKERS:-8} -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+    | tee "$OUT/gpu-tests.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "tests: stopped by the ${TESTS_TIMEOUT}s timeout"
+  return "$rc"
+}
+
+step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem
+  echo "== $2: python -m serveattn.bench prefill $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
+  # shellcheck disable=SC2086  # word splitting of the argument strings is intended
+  timeout -k 10 "$BENCH_TIMEOUT" python3 -m serveattn.bench prefill $1 $BENCH_ARGS --json "$OUT/$2.json" 2>&1 \
+    | tee "$OUT/$2.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "$2: stopped by the ${BENCH_TIMEOUT}s timeout (the JSON holds the cases finished)"
+  return "$rc"
+}
+
+for s in "${STEPS[@]}"; do
+  t=$SECONDS
+  case "$s" in
+    env) step_env ;;
+    tests) step_tests ;;
+    bench-prefill) step_bench "" bench-prefill ;;
+    bench-prefill-quick) step_bench "--quick" bench-prefill-quick ;;
+  esac
+  RC[$s]=$?
+  echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
+done
+
+status=0
+{
+  echo "== summary ($((SECONDS - T0)) s in all; files in $OUT)"
+  for s in "${STEPS[@]}"; do
+    echo "$s: exit ${RC[$s]}"
+  done
+} | tee "$OUT/summary.txt"
+for s in "${STEPS[@]}"; do [ "${RC[$s]}" -ne 0 ] && status=1; done
+exit $status

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m serveattn.bench {prefill,all} [--json PATH] [--quick]``."""

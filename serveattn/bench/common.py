@@ -1,0 +1,309 @@
+"""What every benchmark family shares: the CUDA check, timing, ceilings, floors, tables, progress, JSON.
+
+Nothing here touches CUDA or imports Triton at import time, so ``python -m serveattn.bench --help``
+works on a machine without a GPU.
+
+Method (/work/.library/device/METHOD.md): times are medians of ``triton.testing.do_bench`` (CUDA events,
+warm-up first, L2 flushed before every repetition); every runner is timed in ``passes`` separate passes
+interleaved with the other runners, the reported time is the mean of the pass medians and the spread
+between passes is printed as the noise level. Inputs are random (``torch.randn``), never zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+# ---------------------------------------------------------------- ceilings (H200 defaults)
+
+#: Device-to-device copy on the H200, bytes read + bytes written per second (baseline run 2026-12-02).
+DEFAULT_BANDWIDTH = 4.27e12
+#: Dense bf16 matrix product on the H200 (the baseline run saw 687-798 TFLOP/s; 690 is the floor we use).
+DEFAULT_BF16_RATE = 690e12
+#: Dense fp8 (e4m3) matrix product on the H200.
+DEFAULT_FP8_RATE = 1250e12
+
+NO_CUDA = ("serveattn.bench needs a CUDA GPU, and torch.cuda.is_available() is False on this machine "
+           "(torch {torch}), so there is nothing to time.")
+
+
+def require_cuda() -> None:
+    """Exits with one sentence when there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_CUDA.format(torch=torch.__version__))
+
+
+@dataclasses.dataclass
+class Ceilings:
+    """Bandwidth in bytes/s (read + write) and matrix rates in flop/s, with where each came from."""
+
+    bandwidth: float = DEFAULT_BANDWIDTH
+    bf16_rate: float = DEFAULT_BF16_RATE
+    fp8_rate: float = DEFAULT_FP8_RATE
+    source: Dict[str, str] = dataclasses.field(default_factory=lambda: {
+        "bandwidth": "default (H200 device copy, baseline 2026-12-02)",
+        "bf16_rate": "default (H200 bf16 matmul, baseline 2026-12-02)",
+        "fp8_rate": "default (H200 fp8 e4m3 matmul, baseline 2026-12-02)",
+    })
+
+    def rate(self, dtype_name: str) -> float:
+        return self.fp8_rate if "fp8" in dtype_name or "float8" in dtype_name else self.bf16_rate
+
+    def describe(self) -> str:
+        return (f"copy {self.bandwidth / 1e12:.2f} TB/s [{self.source['bandwidth']}]; "
+                f"bf16 {self.bf16_rate / 1e12:.0f} TFLOP/s [{self.source['bf16_rate']}]; "
+                f"fp8 {self.fp8_rate / 1e12:.0f} TFLOP/s [{self.source['fp8_rate']}]")
+
+    def to_json(self) -> dict:
+        return {"bandwidth_Bps": self.bandwidth, "bf16_flops": self.bf16_rate, "fp8_flops": self.fp8_rate,
+                "source": dict(self.source)}
+
+
+def measure_ceilings(warmup_ms: float = 25, rep_ms: float = 100) -> Ceilings:
+    """Measures the copy bandwidth and the matrix rates on this device, on random data, now.
+
+    Copy: ``dst.copy_(src)`` of a 1 GiB bf16 tensor, counting bytes read plus bytes written.
+    bf16: ``torch.matmul`` of two 8192 x 8192 bf16 matrices into a preallocated output, 2 * 8192^3 flop.
+    fp8: ``torch._scaled_mm`` of two 8192 x 8192 e4m3 matrices, if this torch has it; else the default.
+    """
+    import torch
+
+    c = Ceilings()
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1234)
+
+    n = 1 << 29  # 512 Mi bf16 elements = 1 GiB
+    src = torch.randn(n, dtype=torch.bfloat16, device=dev, generator=g)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup_ms, rep_ms)
+    c.bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3)
+    c.source["bandwidth"] = f"measured: 1 GiB bf16 device copy, read+write, {ms:.3f} ms"
+    del src, dst
+
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=dev, generator=g)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=dev, generator=g)
+    out = torch.empty(m, m, dtype=torch.bfloat16, device=dev)
+    ms = bench_ms(lambda: torch.matmul(a, b, out=out), warmup_ms, rep_ms)
+    c.bf16_rate = 2 * m ** 3 / (ms * 1e-3)
+    c.source["bf16_rate"] = f"measured: torch.matmul bf16 8192^3, {ms:.3f} ms"
+
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major second operand
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        ms = bench_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                      warmup_ms, rep_ms)
+        c.fp8_rate = 2 * m ** 3 / (ms * 1e-3)
+        c.source["fp8_rate"] = f"measured: torch._scaled_mm e4m3 8192^3, {ms:.3f} ms"
+    except Exception as exc:  # noqa: BLE001 - a missing fp8 path keeps the default, with the reason
+        c.source["fp8_rate"] = f"default (fp8 not measured: {one_line(exc)})"
+    del a, b, out
+    torch.cuda.empty_cache()
+    return c
+
+
+# ---------------------------------------------------------------- floors
+
+def floors(flops: float, nbytes: float, ceilings: Ceilings, dtype_name: str = "bf16") -> dict:
+    """The two lower bounds on time (ms): flops over the matrix rate and bytes over the copy bandwidth."""
+    flops_ms = flops / ceilings.rate(dtype_name) * 1e3
+    bytes_ms = nbytes / ceilings.bandwidth * 1e3
+    return {"flops": flops, "bytes": nbytes, "flops_floor_ms": flops_ms, "bytes_floor_ms": bytes_ms,
+            "floor_ms": max(flops_ms, bytes_ms), "bound": "compute" if flops_ms >= bytes_ms else "memory"}
+
+
+# ---------------------------------------------------------------- timing
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """Median time of one call of ``fn`` in ms (triton.testing.do_bench: CUDA events, L2 flushed per rep)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs ``fns`` in turn: rotating among input sets keeps caches from helping."""
+    fns = list(fns)
+    if len(fns) == 1:
+        return fns[0]
+    state = [0]
+
+    def call():
+        i = state[0]
+        state[0] = (i + 1) % len(fns)
+        return fns[i]()
+
+    return call
+
+
+def timed_first_call(fn: Callable[[], object]):
+    """Runs ``fn`` once (compilation, JIT, autotuning) and returns (result, seconds), synchronized."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float32; NaN when ``out`` has a non-finite element."""
+    import torch
+
+    o = out.float()
+    r = ref.float()
+    if not bool(torch.isfinite(o).all()):
+        return float("nan")
+    return float(torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30))
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def summarize_passes(ms_runs: List[float]) -> dict:
+    """Mean of the pass medians and the spread between passes (max - min over mean)."""
+    ms_runs = [m for m in ms_runs if m is not None and math.isfinite(m)]
+    if not ms_runs:
+        return {"ms": None, "ms_runs": [], "spread": None}
+    mean = sum(ms_runs) / len(ms_runs)
+    spread = (max(ms_runs) - min(ms_runs)) / mean if len(ms_runs) > 1 else None
+    return {"ms": mean, "ms_runs": ms_runs, "spread": spread}
+
+
+# ---------------------------------------------------------------- text
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """``TypeName: first line of the message``, cut to ``limit`` characters."""
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0] if msg else ''}".strip().rstrip(":")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def fmt(x: Optional[float], spec: str = ".3f", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return none
+    return format(x, spec)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; ``|`` and newlines inside cells are escaped."""
+    def cell(v) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
+             "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class Progress:
+    """A tqdm progress bar over the steps of a run, on stderr.
+
+    On a terminal it is the usual bar and ``log`` prints above it. When stderr is a file or a pipe (the
+    remote runs, ``2>&1 | tee``), a redrawn bar would fill the log with carriage returns, so the bar is
+    drawn only as a prefix of each logged line (``12/40 [00:31<00:52]``).
+    """
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        self.total, self.desc, self.n = total, desc, 0
+        self.t0 = time.time()
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=desc, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+                        disable=not self.tty, bar_format="{desc}: {n}/{total} |{bar}| {elapsed}<{remaining} {postfix}")
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        self.bar.update(k)
+
+    def status(self, text: str) -> None:
+        if self.tty:
+            self.bar.set_postfix_str(text, refresh=True)
+
+    def log(self, msg: str) -> None:
+        from tqdm import tqdm
+
+        if self.tty:
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            meter = tqdm.format_meter(self.n, self.total, time.time() - self.t0,
+                                      bar_format="{n}/{total} [{elapsed}<{remaining}]")
+            print(f"{self.desc} {meter} {msg}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def log(msg: str) -> None:
+    """A line on stderr that does not break a progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- environment and JSON
+
+def environment() -> dict:
+    """Versions and the device, for the header of the output and the JSON."""
+    import torch
+
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        env["triton"] = f"unavailable ({one_line(exc)})"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["device"] = p.name
+        env["capability"] = f"{p.major}.{p.minor}"
+        env["sm_count"] = p.multi_processor_count
+        env["memory_GiB"] = round(p.total_memory / 2 ** 30, 1)
+    env["env"] = {k: os.environ[k] for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    return env
+
+
+def _clean(x):
+    """NaN/inf become null so the file is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    """Writes ``payload`` atomically (a partial run still leaves a readable file)."""
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean(payload), f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

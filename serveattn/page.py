@@ -1,0 +1,201 @@
+"""Paged KV cache utilities under FlashInfer's names: append tokens to the cache, and the index helpers.
+
+Validation runs on the host before anything launches. Shapes, dtypes and devices are always checked;
+checks that read index *values* (page-table consistency, positions inside owned pages) only run for
+CPU tensors, because on a GPU they would synchronise the stream on every decode step.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import backend as _backend
+from . import policy
+
+PagedCache = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
+    """Validated (k, v) views `[pages, page_size, Hkv, D]` (NHD order) of either cache form."""
+    policy.check_kv_layout(entry, kv_layout)
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2 or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache):
+            policy.refuse(entry, f"paged_kv_cache as a tuple must be (k_cache, v_cache), two tensors; got "
+                                 f"{len(paged_kv_cache)} items.")
+        k_cache, v_cache = paged_kv_cache
+        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+            policy.refuse(entry, f"paged_kv_cache tuple holds shapes {tuple(k_cache.shape)} and "
+                                 f"{tuple(v_cache.shape)}; both must be the same 4-D shape "
+                                 f"[num_pages, page_size, num_kv_heads, head_dim] ({kv_layout}).")
+        policy.check_same_kv_dtype(entry, k_cache, v_cache)
+        policy.check_same_device(entry, k_cache.device, v_cache=v_cache)
+    elif isinstance(paged_kv_cache, torch.Tensor):
+        if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
+            policy.refuse(entry, f"paged_kv_cache has shape {tuple(paged_kv_cache.shape)}; a single-tensor cache "
+                                 f"is 5-D [num_pages, 2, page_size, num_kv_heads, head_dim] ({kv_layout}).")
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    else:
+        policy.refuse(entry, f"paged_kv_cache must be a tensor or a (k_cache, v_cache) tuple, "
+                             f"got {type(paged_kv_cache).__name__}.")
+    dtype = k_cache.dtype
+    if dtype in policy.FP8_DTYPES:
+        policy.unsupported(entry, f"paged_kv_cache dtype {dtype} (an fp8 cache) is not served by append yet; "
+                                  f"supported: float16, bfloat16.")
+    if dtype not in policy.HALF_DTYPES:
+        policy.unsupported(entry, f"paged_kv_cache dtype {dtype} is not served; supported: float16, bfloat16.")
+    if k_cache.numel() and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        policy.refuse(entry, f"paged_kv_cache must have a contiguous head_dim (strides {k_cache.stride()} "
+                             f"and {v_cache.stride()} received).")
+    if kv_layout == "HND":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    return k_cache, v_cache
+
+
+def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
+                          positions: torch.Tensor, paged_kv_cache: PagedCache, kv_indices: torch.Tensor,
+                          kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str = "NHD",
+                          *, backend: str = "auto") -> None:
+    """Writes token t of append_key/append_value into the cache, in place, at request batch_indices[t],
+    position positions[t]: page kv_indices[kv_indptr[b] + pos // page_size], slot pos % page_size."""
+    entry = "append_paged_kv_cache"
+    k_cache, v_cache = _split_cache(entry, paged_kv_cache, kv_layout)
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    device = k_cache.device
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if not isinstance(t, torch.Tensor):
+            policy.refuse(entry, f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; expected [nnz, {num_kv_heads}, {head_dim}] "
+                                 f"(num_kv_heads and head_dim of the cache).")
+    policy.check_same_kv_dtype(entry, append_key, append_value)
+    if append_key.dtype != k_cache.dtype:
+        policy.refuse(entry, f"append_key has dtype {append_key.dtype} but paged_kv_cache has {k_cache.dtype}; "
+                             f"appended K/V must have the cache's dtype.")
+    nnz = append_key.shape[0]
+    if append_value.shape[0] != nnz:
+        policy.refuse(entry, f"append_value has {append_value.shape[0]} tokens but append_key has {nnz}.")
+    policy.check_index(entry, "batch_indices", batch_indices)
+    policy.check_index(entry, "positions", positions)
+    policy.check_index(entry, "kv_indices", kv_indices)
+    policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
+    policy.check_index(entry, "kv_last_page_len", kv_last_page_len)
+    for name, t in (("batch_indices", batch_indices), ("positions", positions)):
+        if t.numel() != nnz:
+            policy.refuse(entry, f"{name} has {t.numel()} entries for {nnz} appended tokens.")
+    batch = kv_indptr.numel() - 1
+    if kv_last_page_len.numel() != batch:
+        policy.refuse(entry, f"kv_last_page_len has {kv_last_page_len.numel()} entries for a batch of {batch} "
+                             f"(kv_indptr has {kv_indptr.numel()}).")
+    policy.check_same_device(entry, device, append_key=append_key, append_value=append_value,
+                             batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
+                             kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+    if device.type == "cpu":
+        _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size)
+    chosen = _backend.resolve(entry, backend, device)
+    if nnz == 0:
+        return
+    if chosen == "triton":
+        from .kernels import page as page_kernels
+        page_kernels.append(_unit_last_stride(append_key), _unit_last_stride(append_value), batch_indices,
+                            positions, k_cache, v_cache, kv_indices, kv_indptr)
+    else:
+        pos = positions.long()
+        page = kv_indices.long()[kv_indptr.long()[batch_indices.long()] + pos // page_size]
+        slot = pos % page_size
+        k_cache[page, slot] = append_key
+        v_cache[page, slot] = append_value
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size):
+    """Host-side value checks: every token lands in a page its request owns, and pages exist."""
+    ip = kv_indptr.long()
+    policy.check_indptr(entry, "kv_indptr", ip, total=kv_indices.numel())
+    used = kv_indices[: int(ip[-1])].long()
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
+        policy.refuse(entry, f"kv_indices holds page {bad} outside the cache's {num_pages} pages.")
+    if not batch_indices.numel():
+        return
+    batch = ip.numel() - 1
+    b, pos = batch_indices.long(), positions.long()
+    if int(b.min()) < 0 or int(b.max()) >= batch:
+        bad = int(b.min()) if int(b.min()) < 0 else int(b.max())
+        policy.refuse(entry, f"batch_indices holds {bad}; requests are numbered 0..{batch - 1}.")
+    owned = (ip[1:] - ip[:-1])[b]
+    outside = (pos < 0) | (pos // page_size >= owned)
+    if bool(outside.any()):
+        t = int(outside.nonzero()[0])
+        policy.refuse(entry, f"positions[{t}]={int(pos[t])} for request {int(b[t])}, which owns {int(owned[t])} "
+                             f"pages of {page_size} slots; a position must lie in 0..pages*page_size-1.")
+
+
+def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,
+                                batch_indices: Optional[torch.Tensor] = None,
+                                positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For each of the nnz appended tokens: its request, and its position in that request's KV sequence.
+
+    Request b appends tokens append_indptr[b]..append_indptr[b+1]-1 as the last ones of its sequence of
+    seq_lens[b] tokens (the length *after* the append), so token t sits at seq_lens[b] - append_indptr[b+1] + t.
+    Both results are int32 `[nnz]`, written into `batch_indices` / `positions` when given.
+    """
+    entry = "get_batch_indices_positions"
+    policy.check_index(entry, "append_indptr", append_indptr, min_len=1)
+    policy.check_index(entry, "seq_lens", seq_lens)
+    batch = append_indptr.numel() - 1
+    if seq_lens.numel() != batch:
+        policy.refuse(entry, f"seq_lens has {seq_lens.numel()} entries for a batch of {batch} "
+                             f"(append_indptr has {append_indptr.numel()}).")
+    if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
+        policy.refuse(entry, f"nnz={nnz!r} must be an int >= 0.")
+    device = append_indptr.device
+    policy.check_same_device(entry, device, seq_lens=seq_lens)
+    for name, out in (("batch_indices", batch_indices), ("positions", positions)):
+        if out is not None:
+            policy.check_tensor(entry, name, out, (nnz,), torch.int32, device)
+    if device.type == "cpu":
+        ip = append_indptr.long()
+        policy.check_indptr(entry, "append_indptr", ip)
+        if int(ip[-1]) != nnz:
+            policy.refuse(entry, f"nnz={nnz} but append_indptr[-1]={int(ip[-1])}; nnz is the number of "
+                                 f"appended tokens.")
+        short = seq_lens.long() < ip[1:] - ip[:-1]
+        if bool(short.any()):
+            b = int(short.nonzero()[0])
+            policy.refuse(entry, f"seq_lens[{b}]={int(seq_lens[b])} is smaller than the {int(ip[b + 1] - ip[b])} "
+                                 f"tokens request {b} appends; seq_lens are lengths after the append.")
+    if batch_indices is None:
+        batch_indices = torch.empty(nnz, dtype=torch.int32, device=device)
+    if positions is None:
+        positions = torch.empty(nnz, dtype=torch.int32, device=device)
+    if nnz == 0:
+        return batch_indices, positions
+    tokens = torch.arange(nnz, dtype=torch.int32, device=device)
+    # The request owning token t is the number of request ends at or before t; searchsorted does not
+    # sync, unlike repeat_interleave. Clamping only matters past append_indptr[-1] (unchecked on GPU).
+    owner = torch.searchsorted(append_indptr[1:], tokens, right=True).clamp_(max=max(batch - 1, 0))
+    batch_indices.copy_(owner)
+    positions.copy_(seq_lens[owner] - append_indptr[1:][owner] + tokens)
+    return batch_indices, positions
+
+
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """KV length of each request: page_size * (pages - 1) + last_page_len, and 0 for a request without
+    pages (API.md). int32 `[batch]` on kv_indptr's device."""
+    entry = "get_seq_lens"
+    policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
+    policy.check_index(entry, "kv_last_page_len", kv_last_page_len)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        policy.refuse(entry, f"page_size={page_size!r} must be a positive int.")
+    batch = kv_indptr.numel() - 1
+    if kv_last_page_len.numel() != batch:
+        policy.refuse(entry, f"kv_last_page_len has {kv_last_page_len.numel()} entries for a batch of {batch} "
+                             f"(kv_indptr has {kv_indptr.numel()}).")
+    policy.check_same_device(entry, kv_indptr.device, kv_last_page_len=kv_last_page_len)
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    lens = (pages - 1) * page_size + kv_last_page_len
+    return torch.where(pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)
