@@ -7,6 +7,7 @@ state or caller buffer is touched.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -29,7 +30,11 @@ class TileConfig:
 def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device) -> TileConfig:
     """Tile shapes per head dim; small query blocks when a request has few (token, head) rows.
 
-    max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it)."""
+    max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it).
+    SERVEATTN_PREFILL_TILES="block_m,block_n,warps,stages" overrides the table (for tuning runs only)."""
+    override = os.environ.get("SERVEATTN_PREFILL_TILES")
+    if override and device.type == "cuda":
+        return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":  # the interpreter: fewer, larger numpy steps are faster
         block_m = 64 if max_qo_len is None else min(64, max(16, triton_next_pow2(max_qo_len * group)))
         return TileConfig(block_m, 32, 4, 1)
@@ -186,7 +191,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
         if mask_host is not None:
-            plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(qo_lens, kv_lens))
+            plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(qo_lens, kv_lens),
+                                                          bitorder="little")
     return plan
 
 

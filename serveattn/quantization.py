@@ -1,7 +1,7 @@
 """Bit packing for custom attention masks, under FlashInfer's names (plain torch; CPU and CUDA alike).
 
-Only the little-endian bit order is served: bit j of byte i holds element 8*i + j, which is the order
-the attention kernels read `packed_custom_mask` in.
+Both bit orders are served, with FlashInfer's default ("big": element 8*i + j is bit 7 - j of byte i).
+`packed_custom_mask` must be packed with bitorder="little" (element 8*i + j is bit j), as in FlashInfer.
 """
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ from . import policy
 
 
 def _check_bitorder(entry: str, bitorder: str) -> None:
-    if bitorder == "big":
-        policy.unsupported(entry, "bitorder='big' is not served; only bitorder='little' (bit j of byte i holds "
-                                  "element 8*i + j, the order packed_custom_mask uses) is supported.")
-    if bitorder != "little":
-        policy.refuse(entry, f"bitorder={bitorder!r} is not a bit order; supported: 'little'.")
+    if bitorder not in ("big", "little"):
+        policy.refuse(entry, f"bitorder={bitorder!r} is not a bit order; supported: 'big', 'little'.")
 
 
 def _check_bits(entry: str, x) -> None:
@@ -26,24 +23,25 @@ def _check_bits(entry: str, x) -> None:
         policy.refuse(entry, f"x must be a 1-D tensor of binary values, got {shape}.")
 
 
-def _pack_rows(bits: torch.Tensor) -> torch.Tensor:
-    """bits bool `[n, 8]` -> uint8 `[n]`, little-endian."""
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=bits.device)
+def _pack_rows(bits: torch.Tensor, bitorder: str) -> torch.Tensor:
+    """bits bool `[n, 8]` -> uint8 `[n]`."""
+    shifts = range(8) if bitorder == "little" else range(7, -1, -1)
+    weights = torch.tensor([1 << j for j in shifts], dtype=torch.int32, device=bits.device)
     return (bits.to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
 
 
-def packbits(x: torch.Tensor, bitorder: str = "little") -> torch.Tensor:
+def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     """x: 1-D tensor (nonzero = 1) -> uint8 `[(len(x) + 7) // 8]`, the last byte zero-padded."""
     entry = "packbits"
     _check_bitorder(entry, bitorder)
     _check_bits(entry, x)
     bits = x.ne(0)
     bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8), value=False)
-    return _pack_rows(bits.reshape(-1, 8))
+    return _pack_rows(bits.reshape(-1, 8), bitorder)
 
 
 def segment_packbits(x: torch.Tensor, indptr: torch.Tensor,
-                     bitorder: str = "little") -> Tuple[torch.Tensor, torch.Tensor]:
+                     bitorder: str = "big") -> Tuple[torch.Tensor, torch.Tensor]:
     """Packs each segment x[indptr[i]:indptr[i+1]] into its own whole bytes.
 
     Returns (packed uint8 `[new_indptr[-1]]`, new_indptr int32 `[batch + 1]`, in bytes). Sizing the output
@@ -69,4 +67,4 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor,
         + torch.arange(8, device=x.device)[None, :]
     inside = src < indptr[1:][segment].long()[:, None]
     bits = x.ne(0)[src.clamp(max=x.numel() - 1)] & inside
-    return _pack_rows(bits), new_indptr
+    return _pack_rows(bits, bitorder), new_indptr

@@ -135,10 +135,12 @@ def test_get_seq_lens_by_hand(device):
 def test_packbits_matches_numpy(n):
     x = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
     want = np.packbits(x.numpy(), bitorder="little")
-    got = packbits(x)
+    got = packbits(x, bitorder="little")
     assert got.dtype == torch.uint8 and got.tolist() == want.tolist()
     assert packbits(x.to(torch.int32), bitorder="little").tolist() == want.tolist()
     assert torch.equal(got, reference.packbits(x))
+    # FlashInfer's default order is "big", as numpy's
+    assert packbits(x).tolist() == np.packbits(x.numpy()).tolist()
 
 
 def test_segment_packbits_matches_numpy():
@@ -146,8 +148,11 @@ def test_segment_packbits_matches_numpy():
     seg_lens = [3, 0, 8, 9, 1, 16, 0, 21]
     indptr = torch.tensor(np.cumsum([0] + seg_lens), dtype=I32)
     x = torch.rand(sum(seg_lens), generator=g) > 0.5
-    packed, new_indptr = segment_packbits(x, indptr)
+    packed, new_indptr = segment_packbits(x, indptr, bitorder="little")
     lo = indptr.tolist()
+    big, _ = segment_packbits(x, indptr)
+    assert big.tolist() == np.concatenate([np.packbits(x[lo[i]:lo[i + 1]].numpy())
+                                           for i in range(len(seg_lens))]).tolist()
     want = [np.packbits(x[lo[i]:lo[i + 1]].numpy(), bitorder="little") for i in range(len(seg_lens))]
     assert new_indptr.dtype == I32 and new_indptr.tolist() == np.cumsum([0] + [w.size for w in want]).tolist()
     assert packed.tolist() == np.concatenate(want).tolist()
@@ -226,10 +231,8 @@ def test_index_helper_refusals():
 
 def test_packbits_refusals():
     x = torch.tensor([1, 0, 1], dtype=torch.bool)
-    with pytest.raises(NotImplementedError, match=r"packbits: bitorder='big' is not served"):
-        packbits(x, bitorder="big")
-    with pytest.raises(NotImplementedError, match=r"segment_packbits: bitorder='big' is not served"):
-        segment_packbits(x, torch.tensor([0, 3], dtype=I32), bitorder="big")
+    with pytest.raises(ValueError, match=r"segment_packbits: bitorder='LE' is not a bit order"):
+        segment_packbits(x, torch.tensor([0, 3], dtype=I32), bitorder="LE")
     with pytest.raises(ValueError, match=r"bitorder='middle' is not a bit order"):
         packbits(x, bitorder="middle")
     with pytest.raises(ValueError, match=r"x must be a 1-D tensor"):

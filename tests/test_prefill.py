@@ -52,7 +52,7 @@ def _plan_kwargs(opts, variant):
     seg = kw.pop("_seg", None)
     if variant == "packed_mask":
         mask = kw.pop("custom_mask")
-        kw["packed_custom_mask"], _ = serveattn.segment_packbits(mask, seg)
+        kw["packed_custom_mask"], _ = serveattn.segment_packbits(mask, seg, bitorder="little")
     return kw
 
 

@@ -101,7 +101,7 @@ def test_cuda_graph_capture_replay_and_replan():
 
     # a rejected re-plan (different page table, then a late error) leaves the buffers as they were
     with pytest.raises(ValueError, match="kv_len=1 < qo_len=2"):
-        bad_qo = torch.tensor([0, 2, 3, 4, 5, 6, 7, 8, 9], dtype=torch.int32, device="cuda")
+        bad_qo = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 8], dtype=torch.int32, device="cuda")  # request 6: 2 rows
         w.plan(bad_qo, indptr2, torch.flip(idx2, [0]), torch.ones_like(last2), hq, hkv, d, ps, causal=True,
                q_data_type=torch.bfloat16)
     with pytest.raises(ValueError, match="use_cuda_graph=True"):

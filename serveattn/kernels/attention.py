@@ -46,12 +46,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-            ROPE: tl.constexpr):
+            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
     k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED)
-    v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
+    if KV_SAME_STRIDES:  # one page-table gather serves K and V
+        v_off = k_off
+    else:
+        v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
     dtype = q.dtype
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
@@ -117,6 +120,7 @@ def prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
+    KV_SAME_STRIDES: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
@@ -186,21 +190,21 @@ def prefill_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE)
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
         for n0 in range(mid_lo, mid_hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE)
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
         for n0 in range(mid_hi, hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE)
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
 
         # Rows that saw no key: output 0 and lse -inf.
         empty = l_i == 0.0
@@ -250,5 +254,5 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale: float =
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
-        RETURN_LSE=lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
