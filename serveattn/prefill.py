@@ -27,7 +27,8 @@ class TileConfig:
     num_stages: int
 
 
-def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device) -> TileConfig:
+def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device,
+                 paged: bool) -> TileConfig:
     """Tile shapes per head dim; small query blocks when a request has few (token, head) rows.
 
     max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it).
@@ -38,10 +39,12 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
     if device.type != "cuda":  # the interpreter: fewer, larger numpy steps are faster
         block_m = 64 if max_qo_len is None else min(64, max(16, triton_next_pow2(max_qo_len * group)))
         return TileConfig(block_m, 32, 4, 1)
+    # H200 sweep of 2026-12-02 (docs/performance.md, head dim 128): 128x128 tiles, 8 warps; a paged gather
+    # pipelines best 2 deep, contiguous K/V 3 deep. Head dim 256 halves the tiles to fit shared memory.
     if head_dim == 256:
         block_m, block_n, warps, stages = 64, 64, 4, 2
     else:
-        block_m, block_n, warps, stages = 128, 64 if head_dim == 128 else 128, 8, 3
+        block_m, block_n, warps, stages = 128, 128, 8, 2 if paged else 3
     if max_qo_len is not None:
         block_m = min(block_m, max(16, triton_next_pow2(max_qo_len * group)))
         if block_m <= 32:
@@ -171,7 +174,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     chosen = backends.resolve(entry, backend, device)
     group = num_qo_heads // num_kv_heads
     max_qo = None if graph_tiles else int(qo_lens.max()) if batch else 1
-    tiles = choose_tiles(head_dim, group, max_qo, device)
+    tiles = choose_tiles(head_dim, group, max_qo, device, paged)
     rope = pos_encoding_mode == "ROPE_LLAMA"
     plan = Plan(
         paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
