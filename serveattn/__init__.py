@@ -1,4 +1,9 @@
 """serveattn: attention kernels for LLM serving, with FlashInfer's API (see API.md in the project's docs)."""
+from .decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
+)
 from .page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
@@ -11,6 +16,9 @@ from .quantization import packbits, segment_packbits
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "append_paged_kv_cache",

@@ -124,7 +124,8 @@ def build_work(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, block_m
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-              q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool) -> Plan:
+              q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
+              graph_max_qo: Optional[int] = None) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
@@ -173,7 +174,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     device = torch.device(device)
     chosen = backends.resolve(entry, backend, device)
     group = num_qo_heads // num_kv_heads
-    max_qo = None if graph_tiles else int(qo_lens.max()) if batch else 1
+    # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
+    max_qo = graph_max_qo if graph_tiles else int(qo_lens.max()) if batch else 1
+    if graph_tiles and graph_max_qo is not None and batch and int(qo_lens.max()) > graph_max_qo:
+        policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
+                             f"per request; the plan has {int(qo_lens.max())}.")
     tiles = choose_tiles(head_dim, group, max_qo, device, paged)
     rope = pos_encoding_mode == "ROPE_LLAMA"
     plan = Plan(
@@ -264,6 +269,7 @@ class _PrefillWrapper:
         self._graph_bufs: Optional[dict] = None  # under use_cuda_graph: the buffers the captured graph reads
         self._graph_signature = None
         self._caller_bufs: dict = {}
+        self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
         self._graph_q_rows: Optional[int] = None
         self.backend = None
         self.backend_fallback_reason = None
@@ -412,7 +418,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
-            backend=self._backend_request, graph_tiles=self._use_cuda_graph)
+            backend=self._backend_request, graph_tiles=self._use_cuda_graph,
+            graph_max_qo=self._graph_max_qo)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
@@ -457,7 +464,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
-            device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph)
+            device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
+            graph_max_qo=self._graph_max_qo)
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):

@@ -1,0 +1,448 @@
+"""Decode entry points with FlashInfer's names: batch decode over a paged cache, and single-request decode.
+
+Two routes serve a plan. The bandwidth route (`use_tensor_cores=False` on CUDA) runs `kernels/decode.py`
+with split-KV: `plan()` cuts long KV into chunks when the batch alone would not fill the GPU, partial
+states go to the caller's workspace, and a merge launch folds them in a fixed order. The tensor-core
+route (`use_tensor_cores=True`), rotary embedding, and `backend="torch"` run through the prefill family
+with one query row per request.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from . import backend as backends
+from . import policy
+from .kernels import decode as decode_kernel
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
+
+# Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
+PROGRAMS_PER_SM = 2
+MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in parallelism
+
+
+def decode_tiles(head_dim: int, device: torch.device) -> TileConfig:
+    """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows)."""
+    if device.type != "cuda":
+        return TileConfig(16, 32, 4, 1)
+    if head_dim == 256:
+        return TileConfig(16, 64, 4, 3)
+    return TileConfig(16, 128, 4, 3)
+
+
+@dataclass
+class DecodePlan:
+    paged: bool
+    device: torch.device
+    num_qo_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    window_left: int
+    soft_cap: float
+    sm_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    batch: int
+    tiles: TileConfig
+    max_page: int
+    num_work_host: int
+    num_slots: int
+    chunk: Optional[int]
+    work: torch.Tensor
+    num_work: torch.Tensor
+    req_first_slot: torch.Tensor
+    req_num_slots: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: Optional[torch.Tensor]
+    last_page_len: Optional[torch.Tensor]
+    part_o: Optional[torch.Tensor] = None
+    part_lse: Optional[torch.Tensor] = None
+
+    def static_signature(self):
+        return (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.window_left,
+                self.soft_cap, self.sm_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles)
+
+
+def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n: int,
+                 fixed_split_size: Optional[int], disable_split_kv: bool) -> Optional[int]:
+    """KV tokens per chunk (a multiple of block_n), or None when no request is split."""
+    if disable_split_kv or kv_lens.numel() == 0:
+        return None
+    max_kv = int(kv_lens.max())
+    if fixed_split_size is not None:
+        chunk = -(-fixed_split_size // block_n) * block_n
+    else:
+        programs = kv_lens.numel() * num_kv_heads
+        target = PROGRAMS_PER_SM * num_sms
+        if programs >= target:
+            return None
+        splits = -(-target // programs)
+        chunk = max(MIN_CHUNK, -(-max_kv // splits))
+        chunk = -(-chunk // block_n) * block_n
+    return chunk if chunk < max_kv else None
+
+
+def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
+    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
+    batch = kv_lens.numel()
+    if chunk is None:
+        n_chunks = torch.ones(batch, dtype=torch.int64)
+    else:
+        n_chunks = torch.clamp((kv_lens + chunk - 1) // chunk, min=1)
+    req = torch.repeat_interleave(torch.arange(batch), n_chunks)
+    index = torch.arange(req.numel()) - torch.repeat_interleave(torch.cumsum(n_chunks, 0) - n_chunks, n_chunks)
+    lo = index * (chunk or 0)
+    hi = torch.minimum(lo + chunk, kv_lens[req]) if chunk is not None else kv_lens[req]
+    slots_per_req = torch.where(n_chunks > 1, n_chunks, torch.zeros_like(n_chunks))
+    first_slot = torch.cumsum(slots_per_req, 0) - slots_per_req
+    slot = torch.where(n_chunks[req] > 1, first_slot[req] + index, torch.full_like(index, -1))
+    work = torch.stack([req, lo, hi, slot], 1).reshape(-1).to(torch.int32)
+    return work, req.numel(), first_slot.to(torch.int32), slots_per_req.to(torch.int32), int(slots_per_req.sum())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: a small target still exercises splitting
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Decode over a paged KV cache (FlashInfer's wrapper of the same name)."""
+    _entry = "BatchDecodeWithPagedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None):
+        policy.check_kv_layout(self._entry, kv_layout)
+        policy.check_backend(self._entry, backend)
+        if jit_args is not None:
+            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        if use_cuda_graph and paged_kv_last_page_len_buffer is None:
+            policy.refuse(self._entry, "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer "
+                                       "and paged_kv_last_page_len_buffer: their sizes fix the batch and page "
+                                       "capacity of the captured graph.")
+        self._workspace = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._use_tensor_cores = use_tensor_cores
+        self._backend_request = backend
+        self._bufs = dict(kv_indptr=paged_kv_indptr_buffer, kv_indices=paged_kv_indices_buffer,
+                          last_page_len=paged_kv_last_page_len_buffer)
+        self._plan: Optional[DecodePlan] = None
+        self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
+        self._graph_bufs: Optional[dict] = None
+        self._graph_signature = None
+        self._graph_route = None
+        self.backend = None
+        self.backend_fallback_reason = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._workspace.device
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
+             q_len_per_req=1, **unsupported_kwargs):
+        entry = self._entry + ".plan"
+        if unsupported_kwargs:
+            policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
+        if q_len_per_req != 1:
+            policy.unsupported(entry, f"q_len_per_req={q_len_per_req} is not served yet; decode serves one "
+                                      f"query row per request.")
+        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
+            policy.refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per "
+                                 f"chunk).")
+        if data_type is not None and kv_data_type is None:  # FlashInfer's older name
+            kv_data_type = data_type
+        route = backends.resolve(entry, self._backend_request, self.device)
+        if route == "triton" and not self._use_tensor_cores and pos_encoding_mode == "ROPE_LLAMA":
+            policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
+                                      "construct the wrapper with use_tensor_cores=True.")
+        if route == "torch" or self._use_tensor_cores:
+            self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                                       head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
+                                       q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta)
+            return
+        policy.check_pos_encoding(entry, pos_encoding_mode)
+        kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
+        used = indices.to("cpu", torch.int64)[: int(indptr[-1])]
+        if used.numel() and int(used.min()) < 0:
+            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
+        plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
+                                fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
+                                last_page_len=last_page_len, max_page=int(used.max()) if used.numel() else -1)
+        self._install(entry, plan)
+        self._prefill = None
+        self.backend = "triton"
+
+    def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                              head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
+                              kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta):
+        policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
+        batch = indptr.numel() - 1
+        wrapper = self._prefill
+        if wrapper is None or not self._use_cuda_graph:
+            kw = {}
+            if self._use_cuda_graph:
+                cap = self._bufs["last_page_len"].numel()
+                kw = dict(qo_indptr_buf=torch.arange(cap + 1, dtype=torch.int32, device=self.device),
+                          paged_kv_indptr_buf=self._bufs["kv_indptr"], paged_kv_indices_buf=self._bufs["kv_indices"],
+                          paged_kv_last_page_len_buf=self._bufs["last_page_len"])
+            wrapper = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, self._use_cuda_graph,
+                                                          backend=route, **kw)
+            wrapper._entry = self._entry
+            wrapper._graph_max_qo = 1
+        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
+                     num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                     rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                     o_data_type=o_data_type)
+        self._prefill = wrapper
+        self._plan = None
+        self.backend = route
+
+    def _install(self, entry: str, plan: DecodePlan) -> None:
+        """Checks the workspace, then copies the plan's arrays to the device; raises before any write."""
+        plan = replace(plan, **_partials(entry, self._workspace, plan.num_slots, plan.num_qo_heads, plan.head_dim))
+        names = _PLAN_ARRAYS
+        if not self._use_cuda_graph:
+            self._plan = _to_device(plan, self.device)
+            return
+        bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
+        if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
+            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
+                                 "table; heads, head dim, dtypes, page size, window, soft cap and sm_scale must stay "
+                                 "as first planned.")
+        for name in names:
+            t = getattr(plan, name)
+            if t.numel() > bufs[name].numel():
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its {name} "
+                                     f"buffer, which holds {bufs[name].numel()}.")
+        for name in names:  # every check passed: only now are the captured buffers overwritten
+            t = getattr(plan, name)
+            bufs[name][: t.numel()].copy_(t, non_blocking=True)
+            if name == "req_num_slots":
+                bufs[name][t.numel():].zero_()  # requests past the batch: nothing to merge
+        self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
+        self._plan = replace(plan, **{n: bufs[n] for n in names})
+
+    def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
+        cap = self._bufs["last_page_len"].numel()
+        for name, want in (("kv_indptr", cap + 1), ("kv_indices", 1), ("last_page_len", 1)):
+            buf = self._bufs[name]
+            if buf is None or buf.dtype != torch.int32 or buf.device != self.device or buf.numel() < want:
+                policy.refuse(entry, f"the {name} buffer must be an int32 tensor on {self.device} "
+                                     f"(kv_indptr: batch capacity + 1 entries).")
+        slot_cap = _slot_capacity(self._workspace, plan.num_qo_heads, plan.head_dim)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return dict(work=torch.empty(4 * (cap + slot_cap), **i32), num_work=torch.empty(1, **i32),
+                    req_first_slot=torch.zeros(cap, **i32), req_num_slots=torch.zeros(cap, **i32),
+                    kv_indptr=self._bufs["kv_indptr"], kv_indices=self._bufs["kv_indices"],
+                    last_page_len=self._bufs["last_page_len"])
+
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, q_len_per_req=None, **unsupported_kwargs):
+        entry = self._entry + ".run"
+        if args or unsupported_kwargs:
+            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, out, lse, "
+                                      "return_lse.")
+        if q_scale is not None:
+            policy.unsupported(entry, "q_scale (an fp8 query) is not served yet.")
+        if q_len_per_req not in (None, 1):
+            policy.unsupported(entry, f"q_len_per_req={q_len_per_req} is not served yet.")
+        if self._prefill is not None:
+            return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                                     return_lse=return_lse)
+        plan = self._plan
+        if plan is None:
+            policy.refuse(entry, "run() was called before plan().")
+        k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
+        _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
+        if out is None:
+            out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
+        if lse is None and return_lse:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        grid0, merge_rows = _grid(plan, self._use_cuda_graph)
+        if grid0:
+            decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows,
+                                 1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+        return (out, lse) if return_lse else out
+
+    def forward(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """FlashInfer's CUDA-graph decode wrapper: the batch wrapper with use_cuda_graph=True."""
+    _entry = "CUDAGraphBatchDecodeWithPagedKVCacheWrapper"
+
+    def __init__(self, workspace_buffer, indptr_buffer, indices_buffer, last_page_len_buffer, kv_layout="NHD",
+                 use_tensor_cores=False):
+        super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                         paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+                         paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
+                     logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
+                     disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1) -> DecodePlan:
+    """Host validation and the split-KV schedule; kv_indices None means contiguous (unpaged) K/V."""
+    policy.check_heads(entry, num_qo_heads, num_kv_heads)
+    policy.check_head_dim(entry, head_dim)
+    policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
+    q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
+    tiles = decode_tiles(head_dim, device)
+    chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
+    work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
+    return DecodePlan(
+        paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
+        soft_cap=float(logits_soft_cap or 0.0),
+        sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.numel(), tiles=tiles, max_page=max_page,
+        num_work_host=n, num_slots=total_slots, chunk=chunk, work=work, num_work=torch.tensor([n], dtype=torch.int32),
+        req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
+        last_page_len=last_page_len)
+
+
+def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
+    q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
+    kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
+    o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
+    policy.check_q_dtype(entry, q_dtype, "q_data_type")
+    policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
+    policy.check_o_dtype(entry, o_dtype)
+    return q_dtype, kv_dtype, o_dtype
+
+
+_PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
+
+
+def _to_device(plan: DecodePlan, device) -> DecodePlan:
+    """Copies (never aliases: the caller may reuse its index tensors) the plan's arrays to the device."""
+    return replace(plan, **{n: getattr(plan, n).to(device, non_blocking=True, copy=True)
+                            for n in _PLAN_ARRAYS if getattr(plan, n) is not None})
+
+
+def _grid(plan: DecodePlan, use_cuda_graph: bool):
+    """(decode programs, merge rows): fixed under CUDA graphs, exact otherwise."""
+    if use_cuda_graph:
+        return PROGRAMS_PER_SM * _num_sms(plan.device), plan.req_num_slots.numel()
+    return plan.num_work_host, (plan.batch if plan.num_slots else 0)
+
+
+def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) -> int:
+    return workspace.numel() * workspace.element_size() // (4 * num_qo_heads * (head_dim + 1))
+
+
+def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int, head_dim: int) -> dict:
+    """fp32 partial outputs [slots, Hq, D] and LSEs [slots, Hq], carved from the caller's workspace."""
+    need = 4 * num_slots * num_qo_heads * (head_dim + 1)
+    have = workspace.numel() * workspace.element_size()
+    if need > have:
+        policy.refuse(entry, f"float_workspace_buffer holds {have} bytes but this plan's split-KV partial states "
+                             f"need {need} bytes; pass a larger workspace (or disable_split_kv=True).")
+    if not workspace.is_contiguous():
+        policy.refuse(entry, "float_workspace_buffer must be contiguous.")
+    flat = workspace.view(-1).view(torch.uint8) if workspace.dtype != torch.uint8 else workspace.view(-1)
+    floats = flat[: have // 4 * 4].view(torch.float32)
+    if num_slots == 0:  # nothing is split: the kernels never touch the partial buffers
+        return dict(part_o=floats[:1], part_lse=floats[:1])
+    width = num_slots * num_qo_heads
+    part_o = floats[: width * head_dim].view(-1, num_qo_heads, head_dim)
+    part_lse = floats[width * head_dim: width * (head_dim + 1)].view(-1, num_qo_heads)
+    return dict(part_o=part_o, part_lse=part_lse)
+
+
+def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
+    policy.check_tensor(entry, "q", q, (plan.batch, plan.num_qo_heads, plan.head_dim), plan.q_dtype, plan.device)
+    want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
+        (plan.num_kv_heads, plan.page_size, plan.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != plan.kv_dtype:
+            policy.refuse(entry, f"{name} cache has dtype {t.dtype} but the plan declared {plan.kv_dtype}.")
+        if t.device != plan.device:
+            policy.refuse(entry, f"{name} cache is on {t.device}; expected {plan.device}.")
+        if t.dim() != 4 or tuple(t.shape[1:]) != want:
+            policy.refuse(entry, f"{name} cache has shape {tuple(t.shape)}; the plan ({kv_layout}) expects "
+                                 f"[num_pages, {', '.join(map(str, want))}].")
+        if t.stride(-1) != 1:
+            policy.refuse(entry, f"{name} must have a contiguous last dimension.")
+    if plan.max_page >= k.shape[0]:
+        policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's {k.shape[0]} "
+                             f"pages.")
+    if out is not None:
+        policy.check_tensor(entry, "out", out, q.shape, plan.o_dtype, plan.device)
+    if lse is not None:
+        policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and not isinstance(s, (int, float)):
+            policy.unsupported(entry, f"{name} must be a Python float for 16-bit caches (got {type(s).__name__}).")
+
+
+def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
+                                q_scale=None, k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
+                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, backend="auto"):
+    """One request's decode: q [Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND) -> [Hq, D]."""
+    entry = "single_decode_with_kv_cache"
+    if not isinstance(q, torch.Tensor) or q.dim() != 2:
+        policy.refuse(entry, f"q must be a 2-D [num_qo_heads, head_dim] tensor, got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+    if q_scale is not None:
+        policy.unsupported(entry, "q_scale (an fp8 query) is not served yet.")
+    policy.check_kv_layout(entry, kv_layout)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            policy.refuse(entry, f"{name} must be a 3-D tensor.")
+    policy.check_same_kv_dtype(entry, k, v)
+    route = backends.resolve(entry, backend, q.device)
+    if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
+        return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
+                                        v_scale, return_lse)
+    res = single_prefill_with_kv_cache(q[None], k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
+                                       sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                       rope_scale=rope_scale, rope_theta=rope_theta, backend=backend,
+                                       return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    return (res[0][0], res[1][0]) if return_lse else res[0]
+
+
+def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale, v_scale,
+                             return_lse):
+    """The bandwidth kernel over contiguous K/V (its unpaged mode), split-KV included."""
+    if k.shape != v.shape:
+        policy.refuse(entry, f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}.")
+    kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    if k.shape[2] != q.shape[1]:
+        policy.refuse(entry, f"q has head dim {q.shape[1]} but k has {k.shape[2]}.")
+    policy.check_same_device(entry, q.device, k=k, v=v)
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            policy.refuse(entry, f"{name} must have a contiguous last dimension.")
+    plan = make_decode_plan(entry, q.device, torch.tensor([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
+                            window_left, logits_soft_cap, q.dtype, k.dtype, None, sm_scale, None, False,
+                            kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32))
+    need = 4 * plan.num_slots * plan.num_qo_heads * (plan.head_dim + 1)
+    workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=q.device)
+    plan = _to_device(replace(plan, **_partials(entry, workspace, plan.num_slots, plan.num_qo_heads,
+                                                plan.head_dim)), q.device)
+    out = torch.empty((1,) + tuple(q.shape), dtype=plan.o_dtype, device=q.device)
+    lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
+    grid0, merge_rows = _grid(plan, False)
+    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows,
+                         1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+    return (out[0], lse[0]) if return_lse else out[0]

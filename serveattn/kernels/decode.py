@@ -1,0 +1,143 @@
+"""The decode family: one query row per request, read at memory bandwidth, with split-KV.
+
+A program owns one work item (request, KV chunk) for one KV head. Its GROUP_PAD rows are the query heads
+of that KV group (padded to the 16 rows tensor cores need), so each K/V tile gathered through the page
+table is read once for the whole group. A request whose KV is cut into several chunks writes fp32
+partial outputs and base-2 LSEs into the workspace; `merge_kernel` folds them in chunk order, so the
+result is the same bits on every run.
+"""
+import triton
+import triton.language as tl
+
+from .attention import LOG2E, _attend, _present, kv_strides
+from .common import to_dtype
+
+
+@triton.jit
+def decode_kernel(
+    Q, K, V, O, LSE, PART_O, PART_LSE,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    work, num_work_ptr, kv_indptr, kv_indices, last_page_len,
+    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
+):
+    kvh = tl.program_id(1)
+    num_work = tl.load(num_work_ptr)
+    g = tl.arange(0, GROUP_PAD)
+    row_ok = g < GROUP
+    head = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    tok = tl.zeros([GROUP_PAD], dtype=tl.int32)  # every row is the request's one query token
+    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        req = tl.load(work + 4 * w)
+        lo = tl.load(work + 4 * w + 1)
+        hi = tl.load(work + 4 * w + 2)
+        slot = tl.load(work + 4 * w + 3)  # -1: the request is not split, write the output directly
+        kv_base = tl.load(kv_indptr + req)
+        if PAGED:
+            num_pages = tl.load(kv_indptr + req + 1) - kv_base
+            kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len + req), 0)
+        else:
+            kv_len = tl.load(kv_indptr + req + 1) - kv_base
+        hi = tl.minimum(hi, kv_len)
+        delta = kv_len - 1  # the query sits at the last position
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, (delta - window_left) // BLOCK_N * BLOCK_N)
+
+        q_row = req.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0.0, 1.0,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, False, False, HAS_WINDOW, SOFT_CAP, False,
+                KV_SAME_STRIDES)
+
+        empty = l_i == 0.0
+        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        if slot >= 0:
+            p_row = (slot.to(tl.int64) * NUM_QO_HEADS + head) * HEAD_DIM
+            tl.store(PART_O + p_row[:, None] + d[None, :], out, mask=row_ok[:, None])
+            tl.store(PART_LSE + slot.to(tl.int64) * NUM_QO_HEADS + head, lse, mask=row_ok)
+        else:
+            o_row = req.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+            tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+            if RETURN_LSE:
+                tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(
+    PART_O, PART_LSE, O, LSE, req_first_slot, req_num_slots,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Folds a split request's partial states in chunk order (fixed, so bitwise repeatable)."""
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n = tl.load(req_num_slots + req)
+    if n > 0:
+        first = tl.load(req_first_slot + req)
+        g = tl.arange(0, GROUP_PAD)
+        row_ok = g < GROUP
+        head = kvh * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for s in range(first, first + n):
+            s_row = (s * NUM_QO_HEADS + head).to(tl.int64)  # slots * heads stays far below 2^31
+            s_lse = tl.load(PART_LSE + s_row, mask=row_ok, other=float("-inf"))
+            m_new = tl.maximum(m, s_lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale_old = tl.exp2(m - m_safe)
+            w = tl.exp2(s_lse - m_safe)  # an empty chunk (lse -inf) weighs 0
+            p_row = s_row * HEAD_DIM
+            part = tl.load(PART_O + p_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+            acc = acc * scale_old[:, None] + part * w[:, None]
+            total = total * scale_old + w
+            m = m_new
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)[:, None]
+        o_row = req.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+        tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+        if RETURN_LSE:
+            lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
+            tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale: float = 1.0,
+           v_scale: float = 1.0):
+    """Decode launch (and the merge launch when the plan splits any request)."""
+    sk = kv_strides(k, kv_layout, plan.paged)
+    sv = kv_strides(v, kv_layout, plan.paged)
+    lse_arg = lse if lse is not None else out
+    slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    group_pad = max(16, triton.next_power_of_2(plan.group))
+    kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
+    decode_kernel[(grid0, plan.num_kv_heads)](
+        q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
+        q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
+        plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len,
+        plan.sm_scale * k_scale * LOG2E, plan.sm_scale * k_scale, plan.soft_cap, plan.window_left, v_scale,
+        NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
+        BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
+        KV_SAME_STRIDES=sk == sv, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+    )
+    if merge_rows:
+        merge_kernel[(merge_rows, plan.num_kv_heads)](
+            plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
+            out.stride(0), out.stride(1), slb, slh,
+            NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
+            RETURN_LSE=lse is not None, num_warps=4,
+        )

@@ -1,0 +1,191 @@
+"""Decode family against the float64 reference: both routes, split-KV forced off / 2 chunks / many chunks."""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
+
+GQA = [(4, 4), (8, 2), (8, 1)]
+SPLITS = ["off", "two", "many"]
+
+
+def _cases():
+    cases = []
+    cycle = itertools.cycle(itertools.product(["NHD", "HND"], GQA, [1, 16, 5], ["5d", "tuple", "view"],
+                                              ["plain", "window", "soft_cap"]))
+    for dtype, head_dim, split in itertools.product([torch.float16, torch.bfloat16], [64, 128, 256], SPLITS):
+        layout, heads, page_size, form, variant = next(cycle)
+        cases.append(pytest.param(dtype, head_dim, split, layout, heads, page_size, form, variant,
+                                  id=f"{str(dtype)[6:]}-d{head_dim}-split_{split}-{layout}-g{heads[0] // heads[1]}"
+                                     f"-p{page_size}-{form}-{variant}"))
+    return cases
+
+
+def _opts(variant):
+    return {"plain": {}, "window": {"window_left": 9}, "soft_cap": {"logits_soft_cap": 4.0, "sm_scale": 0.2}}[variant]
+
+
+def _split_kwargs(split, kv_lens):
+    if split == "off":
+        return {"disable_split_kv": True}
+    if split == "two":
+        return {"fixed_split_size": (max(kv_lens) + 1) // 2}
+    return {"fixed_split_size": 16}
+
+
+@pytest.mark.parametrize("dtype,head_dim,split,layout,heads,page_size,form,variant", _cases())
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+def test_decode_against_reference(dtype, head_dim, split, layout, heads, page_size, form, variant, use_tensor_cores,
+                                  device):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{head_dim}{split}{use_tensor_cores}".encode()))
+    hq, hkv = heads
+    kv_lens = [int(x) for x in torch.randint(1, 300, (4,), generator=gen)]
+    kv_lens[0] = 300
+    kv_lens[1] = 0  # an empty request: its row comes out 0 / -inf
+    b = make_paged_batch(gen, qo_lens=[1] * 4, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                         page_size=page_size, dtype=dtype, kv_layout=layout, tuple_cache=form == "tuple",
+                         non_contiguous=form == "view", device=device)
+    opts = _opts(variant)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device), layout,
+                                                     use_tensor_cores=use_tensor_cores, backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, page_size, q_data_type=dtype,
+           **opts, **_split_kwargs(split, kv_lens))
+    if not use_tensor_cores and split != "off":
+        chunk = w._plan.chunk  # the split really happened, into as many chunks as the chunk size says
+        assert chunk is not None and w._plan.num_slots == sum(-(-kv // chunk) for kv in kv_lens if kv > chunk)
+        assert w._plan.num_slots >= 2
+    out = nan_like(b.q.shape, dtype, device)
+    lse = nan_like(b.q.shape[:2], torch.float32, device)
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    assert not torch.isnan(out).any()
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             kv_layout=layout, **opts)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)
+    out2, lse2 = w.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+    # batch against single-request decode on each request's contiguous K/V
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    for i, kv in enumerate(kv_lens):
+        if kv == 0:
+            continue
+        ki, vi = k[int(kv_indptr[i]):int(kv_indptr[i + 1])], v[int(kv_indptr[i]):int(kv_indptr[i + 1])]
+        if layout == "HND":
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)
+        s_out, s_lse = serveattn.single_decode_with_kv_cache(b.q[i], ki, vi, kv_layout=layout, backend="triton",
+                                                             use_tensor_cores=use_tensor_cores, return_lse=True,
+                                                             **opts)
+        assert rel_err(s_out, out[i]) < tolerance(dtype)
+        check_lse(s_lse[None], lse[i:i + 1])
+
+
+def test_split_counts_agree(device):
+    """1, 2 and many chunks all match the reference; each split setting is bitwise repeatable."""
+    gen = torch.Generator().manual_seed(21)
+    kv_lens = [300, 5, 129]
+    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    for kw in ({"disable_split_kv": True}, {"fixed_split_size": 160}, {"fixed_split_size": 32}, {}):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+        out, lse = w.run(b.q, b.cache, return_lse=True)
+        assert rel_err(out, ref_out) < 1e-2, kw
+        check_lse(lse, ref_lse)
+        again = w.run(b.q, b.cache, return_lse=True)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_backends_and_scales(backend, device):
+    gen = torch.Generator().manual_seed(4)
+    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=[17, 64, 33], num_qo_heads=16, num_kv_heads=2, head_dim=128,
+                         page_size=16, dtype=torch.float16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                     backend=backend)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 16, 2, 128, 16, q_data_type=torch.float16,
+           o_data_type=torch.bfloat16, fixed_split_size=32)
+    assert w.backend == backend
+    out, lse = w.run(b.q, b.cache, k_scale=0.7, v_scale=1.5, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             k_scale=0.7, v_scale=1.5)
+    assert rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+
+
+def test_decode_rope_on_tensor_cores(device):
+    gen = torch.Generator().manual_seed(8)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[40, 77], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 16, dtype=torch.uint8, device=device),
+                                                     use_tensor_cores=True, backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, pos_encoding_mode="ROPE_LLAMA",
+           q_data_type=torch.bfloat16)
+    out = w.run(b.q, b.cache)
+    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       pos_encoding_mode="ROPE_LLAMA")
+    assert rel_err(out, ref_out) < 1e-2
+
+
+def test_rejected_decode_plan_leaves_previous_plan(device):
+    gen = torch.Generator().manual_seed(2)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[50, 70], num_qo_heads=4, num_kv_heads=4, head_dim=64,
+                         page_size=16, dtype=torch.float16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                     backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16, fixed_split_size=32)
+    before = w.run(b.q, b.cache)
+    # another page table, rejected late (its workspace need is too large): nothing of it may be installed
+    tiny = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64, dtype=torch.uint8, device=device),
+                                                        backend="triton")
+    with pytest.raises(ValueError, match=r"float_workspace_buffer holds 64 bytes but this plan's split-KV partial "
+                                         r"states need \d+ bytes"):
+        tiny.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
+                  fixed_split_size=32)
+    with pytest.raises(ValueError, match="paged_kv_last_page_len\\[1\\]=17"):
+        w.plan(b.kv_indptr, torch.flip(b.kv_indices, [0]), torch.tensor([3, 17], dtype=torch.int32, device=device),
+               4, 4, 64, 16, q_data_type=torch.float16)
+    assert torch.equal(before, w.run(b.q, b.cache))
+
+
+def test_decode_refusals(device):
+    gen = torch.Generator().manual_seed(2)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[5, 7], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=4, dtype=torch.float16, device=device)
+    ws = torch.empty(1 << 16, dtype=torch.uint8, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+    args = (b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4)
+    with pytest.raises(NotImplementedError, match="q_len_per_req=2 is not served yet"):
+        w.plan(*args, q_data_type=torch.float16, q_len_per_req=2)
+    with pytest.raises(NotImplementedError, match="ROPE_LLAMA' is served on the tensor-core route only"):
+        w.plan(*args, q_data_type=torch.float16, pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(NotImplementedError, match="head_dim=80 is not served"):
+        w.plan(*args[:5], 80, 4, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="fixed_split_size=0 must be a positive int"):
+        w.plan(*args, q_data_type=torch.float16, fixed_split_size=0)
+    with pytest.raises(ValueError, match="must be int32"):
+        w.plan(b.kv_indptr.long(), *args[1:], q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):
+        serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="run\\(\\) was called before plan\\(\\)"):
+        w.run(b.q[:2], b.cache)
+    w.plan(*args, q_data_type=torch.float16)
+    with pytest.raises(ValueError, match="q has shape \\(3, 4, 64\\); expected \\(2, 4, 64\\)"):
+        w.run(torch.cat([b.q, b.q[:1]]), b.cache)
+    with pytest.raises(ValueError, match="q has dtype torch.bfloat16; expected torch.float16"):
+        w.run(b.q.to(torch.bfloat16), b.cache)
+    with pytest.raises(ValueError, match="out has dtype torch.bfloat16"):
+        w.run(b.q, b.cache, out=torch.empty(b.q.shape, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="k cache has dtype torch.bfloat16 but the plan declared torch.float16"):
+        w.run(b.q, b.cache.to(torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="q_scale \\(an fp8 query\\) is not served yet"):
+        w.run(b.q, b.cache, q_scale=1.0)
+    with pytest.raises(ValueError, match="q must be a 2-D"):
+        serveattn.single_decode_with_kv_cache(b.q, b.cache[:, 0], b.cache[:, 1])
