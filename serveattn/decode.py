@@ -24,6 +24,12 @@ PROGRAMS_PER_SM = 2
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in parallelism
 
 
+def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int = 1) -> bool:
+    """The route `auto` takes: the bandwidth kernel already packs a KV group's query heads into one
+    tensor-core tile, so it serves one-row decode; several rows per request go to the prefill family."""
+    return q_len_per_req > 1
+
+
 def decode_tiles(head_dim: int, device: torch.device) -> TileConfig:
     """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows)."""
     if device.type != "cuda":
@@ -351,22 +357,25 @@ def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) ->
 
 
 def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int, head_dim: int) -> dict:
-    """fp32 partial outputs [slots, Hq, D] and LSEs [slots, Hq], carved from the caller's workspace."""
-    need = 4 * num_slots * num_qo_heads * (head_dim + 1)
+    """fp32 partial outputs [cap, Hq, D] and LSEs [cap, Hq], carved from the caller's workspace.
+
+    The layout depends only on the workspace size and the heads, never on this plan's slot count, so a
+    captured CUDA graph keeps pointing at the right places after any re-plan."""
     have = workspace.numel() * workspace.element_size()
+    need = 4 * num_slots * num_qo_heads * (head_dim + 1)
     if need > have:
         policy.refuse(entry, f"float_workspace_buffer holds {have} bytes but this plan's split-KV partial states "
                              f"need {need} bytes; pass a larger workspace (or disable_split_kv=True).")
     if not workspace.is_contiguous():
         policy.refuse(entry, "float_workspace_buffer must be contiguous.")
-    flat = workspace.view(-1).view(torch.uint8) if workspace.dtype != torch.uint8 else workspace.view(-1)
+    flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)
     floats = flat[: have // 4 * 4].view(torch.float32)
-    if num_slots == 0:  # nothing is split: the kernels never touch the partial buffers
+    cap = _slot_capacity(workspace, num_qo_heads, head_dim)
+    if cap == 0:  # nothing can be split (and nothing is): the kernels never touch these
         return dict(part_o=floats[:1], part_lse=floats[:1])
-    width = num_slots * num_qo_heads
-    part_o = floats[: width * head_dim].view(-1, num_qo_heads, head_dim)
-    part_lse = floats[width * head_dim: width * (head_dim + 1)].view(-1, num_qo_heads)
-    return dict(part_o=part_o, part_lse=part_lse)
+    width = cap * num_qo_heads
+    return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
+                part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))
 
 
 def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):

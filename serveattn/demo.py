@@ -135,10 +135,28 @@ class PagedAttention:
         return self.wrapper.run(q, cache)
 
 
+class DecodeAttention:
+    """One query row per request through BatchDecodeWithPagedKVCacheWrapper, on the route `auto` prefers."""
+
+    def __init__(self, cfg: Config, backend: str, device):
+        ws = torch.empty(128 * 1024 * 1024 if device.type == "cuda" else 1024 * 1024,
+                         dtype=torch.uint8, device=device)
+        self.cfg = cfg
+        tensor_cores = serveattn.decode.prefer_tensor_cores(cfg.qo_heads, cfg.kv_heads)
+        self.wrapper = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=backend,
+                                                                    use_tensor_cores=tensor_cores)
+
+    def plan(self, qo_indptr, indptr, indices, last_page_len):  # once per step, shared by all layers
+        c = self.cfg
+        self.wrapper.plan(indptr, indices, last_page_len, c.qo_heads, c.kv_heads, c.head_dim, c.page_size,
+                          q_data_type=torch.bfloat16)
+
+    def run(self, q, cache):  # one call per layer
+        return self.wrapper.run(q, cache)
+
+
 def make_decode_attention(cfg: Config, backend: str, device):
-    """Decode = the paged prefill wrapper with one query row per request. Swap in a
-    BatchDecodeWithPagedKVCacheWrapper-backed class here; nothing else changes."""
-    return PagedAttention(cfg, backend, device)
+    return DecodeAttention(cfg, backend, device)
 
 
 def serve_step(model, kv: PagedKV, attn, tokens_per_req):

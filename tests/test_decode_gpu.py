@@ -1,0 +1,104 @@
+"""Decode on the GPU at real sizes (KV to 128k, batch to 256) and under CUDA graph capture and replay."""
+import zlib
+
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import check_lse, make_paged_batch, nan_like, rel_err
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    # (name, batch, max_kv, hq, hkv, head_dim)
+    ("b1-kv128k", 1, 131072, 32, 8, 128),
+    ("b256-kv2k", 256, 2048, 32, 8, 128),
+    ("b16-kv32k-d64", 16, 32768, 16, 2, 64),
+    ("b8-kv16k-d256-mqa", 8, 16384, 8, 1, 256),
+    ("b64-kv8k-mha", 64, 8192, 8, 8, 128),
+]
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decode_real_sizes(case, use_tensor_cores):
+    name, batch, max_kv, hq, hkv, d = case
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    kv_lens = [max_kv] + [int(x) for x in torch.randint(0, max_kv + 1, (batch - 1,), generator=gen)]
+    b = make_paged_batch(gen, qo_lens=[1] * batch, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                         page_size=16, dtype=torch.bfloat16, device="cuda")
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                     use_tensor_cores=use_tensor_cores)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, d, 16, q_data_type=torch.bfloat16)
+    out = nan_like(b.q.shape, torch.bfloat16, "cuda")
+    lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+    assert rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+    out2, lse2 = w.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def _table(gen, kv_lens, num_pages, page_size=16):
+    n = [(k + page_size - 1) // page_size for k in kv_lens]
+    indices = torch.randperm(num_pages, generator=gen)[: sum(n)].to(torch.int32)
+    indptr = torch.tensor([0] + torch.cumsum(torch.tensor(n), 0).tolist(), dtype=torch.int32)
+    last = torch.tensor([k - (m - 1) * page_size if m else 0 for k, m in zip(kv_lens, n)], dtype=torch.int32)
+    return indptr.cuda(), indices.cuda(), last.cuda()
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+def test_cuda_graph_replay_with_changing_page_tables(use_tensor_cores):
+    gen = torch.Generator().manual_seed(31)
+    batch, hq, hkv, d, ps, num_pages = 32, 32, 8, 128, 16, 6000
+    cache = torch.randn(num_pages, 2, ps, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    indptr_buf = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
+    indices_buf = torch.empty(num_pages, dtype=torch.int32, device="cuda")
+    last_buf = torch.empty(batch, dtype=torch.int32, device="cuda")
+    w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, indptr_buf, indices_buf, last_buf,
+                                                              use_tensor_cores=use_tensor_cores)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+
+    def plan(kv_lens):
+        table = _table(gen, kv_lens, num_pages)
+        w.plan(*table, hq, hkv, d, ps, q_data_type=torch.bfloat16)
+        return table
+
+    table = plan([int(x) for x in torch.randint(1, 3000, (batch,), generator=gen)])
+    w.run(q, cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+    for step, kv_max in enumerate([3000, 40, 3000 * 3, 1]):
+        kv_lens = [int(x) for x in torch.randint(1, kv_max + 1, (batch,), generator=gen)]
+        if step == 2:
+            kv_lens[0] = 0  # an empty request in a replay
+        table = plan(kv_lens)
+        q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        qo = torch.arange(batch + 1, dtype=torch.int32)
+        ref_out, ref_lse = reference.batch_paged(q, cache, qo, *table)
+        assert rel_err(out, ref_out) < 1e-2, step
+        check_lse(lse, ref_lse)
+    good_out, good_lse = out.clone(), lse.clone()
+    # a rejected re-plan with another page table leaves the captured state replayable as it was
+    bad_indptr, bad_indices, bad_last = _table(gen, [100] * batch, num_pages)
+    bad_last[5] = 17
+    with pytest.raises(ValueError, match="paged_kv_last_page_len\\[5\\]=17"):
+        w.plan(bad_indptr, bad_indices, bad_last, hq, hkv, d, ps, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="use_cuda_graph=True"):
+        w.plan(*table, hq, hkv, d, ps, q_data_type=torch.bfloat16, logits_soft_cap=5.0)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, good_out) and torch.equal(lse, good_lse)
