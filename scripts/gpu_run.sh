@@ -4,11 +4,13 @@
 #   scripts/gpu_run.sh                       # env, GPU tests, prefill benchmark
 #   scripts/gpu_run.sh tests                 # only the GPU tests
 #   scripts/gpu_run.sh bench-prefill         # only the prefill benchmark
+#   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
 # Steps: env (GPU, versions), tests (the whole suite on the GPU: the grid at CUDA, plus the @gpu tests), bench-prefill (python -m serveattn.bench prefill),
-# bench-prefill-quick (the same with --quick). No network there: the package runs from PYTHONPATH, nothing
+# bench-prefill-quick (the same with --quick), bench-decode (python -m serveattn.bench decode), bench-decode-quick
+# (the same with --quick); BENCH_ARGS goes to every bench step. No network there: the package runs from PYTHONPATH, nothing
 # is installed. Every step runs under `timeout` (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so the whole call
 # stays well under the 10-minute limit; a failing step does not stop the next one, and the exit codes of
 # all steps are printed at the end (and written to $OUT/summary.txt). Exit status: 0 only if every step
@@ -29,8 +31,8 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests bench-prefill)
 for s in "${STEPS[@]}"; do
   case "$s" in
-    env|tests|bench-prefill|bench-prefill-quick) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick" >&2; exit 2 ;;
+    env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick" >&2; exit 2 ;;
   esac
 done
 
@@ -77,10 +79,11 @@ step_tests() {
   return "$rc"
 }
 
-step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem
-  echo "== $2: python -m serveattn.bench prefill $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
+step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
+  local family=${3:-prefill}
+  echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
   # shellcheck disable=SC2086  # word splitting of the argument strings is intended
-  timeout -k 10 "$BENCH_TIMEOUT" python3 -m serveattn.bench prefill $1 $BENCH_ARGS --json "$OUT/$2.json" 2>&1 \
+  timeout -k 10 "$BENCH_TIMEOUT" python3 -m serveattn.bench "$family" $1 $BENCH_ARGS --json "$OUT/$2.json" 2>&1 \
     | tee "$OUT/$2.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 124 ] && echo "$2: stopped by the ${BENCH_TIMEOUT}s timeout (the JSON holds the cases finished)"
@@ -94,6 +97,8 @@ for s in "${STEPS[@]}"; do
     tests) step_tests ;;
     bench-prefill) step_bench "" bench-prefill ;;
     bench-prefill-quick) step_bench "--quick" bench-prefill-quick ;;
+    bench-decode) step_bench "" bench-decode decode ;;
+    bench-decode-quick) step_bench "--quick" bench-decode-quick decode ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

@@ -9,6 +9,7 @@ with one query row per request.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -31,7 +32,11 @@ def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int
 
 
 def decode_tiles(head_dim: int, device: torch.device) -> TileConfig:
-    """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows)."""
+    """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows).
+    SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only)."""
+    override = os.environ.get("SERVEATTN_DECODE_TILES")
+    if override and device.type == "cuda":
+        return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":
         return TileConfig(16, 32, 4, 1)
     if head_dim == 256:
@@ -89,7 +94,7 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
         if programs >= target:
             return None
         splits = -(-target // programs)
-        chunk = max(MIN_CHUNK, -(-max_kv // splits))
+        chunk = max(int(os.environ.get("SERVEATTN_DECODE_MIN_CHUNK", MIN_CHUNK)), -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
 

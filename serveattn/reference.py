@@ -174,3 +174,18 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor):
         new_indptr.append(new_indptr[-1] + parts[-1].numel())
     packed = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=x.device)
     return packed, torch.tensor(new_indptr, dtype=torch.int32, device=indptr.device)
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor):
+    """Attention states over disjoint KV segments, combined into the state over their union.
+
+    v `[rows, num_states, H, D]`, s `[rows, num_states, H]` (base-2 LSE) -> (v `[rows, H, D]`, s `[rows, H]`),
+    float64. A state with s = -inf is empty: its v is ignored. A row whose states are all empty gets v 0, s -inf.
+    """
+    v64, s64 = v.to(torch.float64), s.to(torch.float64)
+    ln2 = math.log(2.0)
+    merged = torch.logsumexp(s64 * ln2, dim=1) / ln2  # -inf when every state is empty
+    shift = merged.masked_fill(merged == float("-inf"), 0.0)  # exp2(-inf - 0) = 0 for the empty states
+    weight = torch.exp2(s64 - shift[:, None])
+    contrib = torch.where(weight[..., None] > 0, weight[..., None] * v64, torch.zeros_like(v64))
+    return contrib.sum(dim=1), merged

@@ -136,11 +136,11 @@ def test_decode_rope_on_tensor_cores(device):
 
 def test_rejected_decode_plan_leaves_previous_plan(device):
     gen = torch.Generator().manual_seed(2)
-    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[50, 70], num_qo_heads=4, num_kv_heads=4, head_dim=64,
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[300, 500], num_qo_heads=4, num_kv_heads=4, head_dim=64,
                          page_size=16, dtype=torch.float16, device=device)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
                                                      backend="triton")
-    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16, fixed_split_size=32)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16, fixed_split_size=128)
     before = w.run(b.q, b.cache)
     # another page table, rejected late (its workspace need is too large): nothing of it may be installed
     tiny = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64, dtype=torch.uint8, device=device),
@@ -148,7 +148,7 @@ def test_rejected_decode_plan_leaves_previous_plan(device):
     with pytest.raises(ValueError, match=r"float_workspace_buffer holds 64 bytes but this plan's split-KV partial "
                                          r"states need \d+ bytes"):
         tiny.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
-                  fixed_split_size=32)
+                  fixed_split_size=128)
     with pytest.raises(ValueError, match="paged_kv_last_page_len\\[1\\]=17"):
         w.plan(b.kv_indptr, torch.flip(b.kv_indices, [0]), torch.tensor([3, 17], dtype=torch.int32, device=device),
                4, 4, 64, 16, q_data_type=torch.float16)

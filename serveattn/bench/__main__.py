@@ -1,4 +1,4 @@
-"""``python -m serveattn.bench {prefill,all} [--json PATH] [--quick] [--measure-ceilings] ...``
+"""``python -m serveattn.bench {prefill,decode,all} [--json PATH] [--quick] [--measure-ceilings] ...``
 
 Each family is a module with ``run(args, ceilings, checkpoint) -> dict`` (keys ``ok`` and ``report``,
 the markdown printed at the end) and optionally ``add_arguments(parser)``. Adding a family is one line
@@ -17,6 +17,9 @@ from . import common
 FAMILIES = {
     "prefill": ("serveattn.bench.prefill",
                 "causal prefill (paged + ragged wrappers) vs cuDNN/flash SDPA, FlexAttention, FlashInfer"),
+    "decode": ("serveattn.bench.decode",
+               "batch decode (paged wrapper, CUDA-core / tensor-core, eager / CUDA graph) vs cuDNN/flash SDPA, "
+               "FlexAttention, FlashInfer; K/V TB/s"),
 }
 
 

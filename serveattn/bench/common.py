@@ -146,6 +146,101 @@ def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
+def back_to_back_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """Mean time per call of ``fn`` called back to back (ms): CUDA events around a loop of calls, no L2 flush.
+
+    Unlike ``bench_ms`` (where a cache flush precedes every call and gives the host time to enqueue the next
+    launch), this is bounded below by the host's time per call as well as the device's, so launch overhead
+    shows. Rotate ``fn`` over inputs larger than the L2 (``rotating``) so that the loop does not read from L2.
+    """
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-4)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    n = max(10, int(rep_ms / estimate))
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end) / n)
+
+
+def capture_cuda_graphs(calls: Sequence[Callable[[], object]]):
+    """Runs each call once on a side stream (the warm-up: compilation, lazy allocation), then captures each
+    into its own ``torch.cuda.CUDAGraph`` (one memory pool each). Returns ``(graphs, results)``, ``results[i]``
+    being what call i returned during its capture (its static output, rewritten by every ``graphs[i].replay()``).
+    The caller keeps whatever the calls reference (wrappers, workspaces, inputs) alive as long as the graphs.
+    """
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs, results = [], []
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results.append(call())
+        graphs.append(graph)
+    torch.cuda.synchronize()
+    return graphs, results
+
+
+#: L2 size assumed when the device does not report one (the H200's is 60 MB).
+DEFAULT_L2_BYTES = 60 * 2 ** 20
+
+
+def l2_cache_bytes() -> int:
+    """The L2 size of CUDA device 0 as torch reports it, else ``DEFAULT_L2_BYTES``."""
+    import torch
+
+    try:
+        n = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 0)
+    except Exception:  # noqa: BLE001
+        n = 0
+    return n if n > 0 else DEFAULT_L2_BYTES
+
+
+def rotation_sets(bytes_per_set: float, minimum: int, l2_bytes: float, l2_multiple: float,
+                  cap: int = 64) -> int:
+    """How many input sets to rotate among: ``minimum``, raised until the sets hold ``l2_multiple`` times the L2
+    (so each call finds its inputs evicted by the calls in between), at most ``cap``."""
+    need = math.ceil(l2_multiple * l2_bytes / bytes_per_set) if l2_multiple > 0 and bytes_per_set > 0 else 1
+    return max(1, int(minimum), min(int(cap), need))
+
+
+_FLASHINFER: Dict[str, object] = {}
+
+
+def import_flashinfer():
+    """``import flashinfer`` once per process; raises ModuleNotFoundError with the one-line reason otherwise."""
+    if "mod" not in _FLASHINFER:
+        try:
+            import flashinfer  # noqa: F401
+
+            _FLASHINFER["mod"] = flashinfer
+        except Exception as exc:  # noqa: BLE001
+            _FLASHINFER["mod"] = None
+            _FLASHINFER["why"] = f"flashinfer not importable ({one_line(exc, 120)})"
+    if _FLASHINFER["mod"] is None:
+        raise ModuleNotFoundError(_FLASHINFER["why"])
+    return _FLASHINFER["mod"]
+
+
 def timed_first_call(fn: Callable[[], object]):
     """Runs ``fn`` once (compilation, JIT, autotuning) and returns (result, seconds), synchronized."""
     import torch

@@ -1,0 +1,731 @@
+"""Batch decode: serveattn's paged decode wrapper against the peers, in one process, on the same data.
+
+Shapes (H200 serving case): GQA 32 query heads / 8 KV heads, head dim 128, bf16, page size 16 with a
+shuffled page table (``torch.randperm``), one query token per request. Workloads (batch x KV length): 1x8192,
+8x4096, 32x2048, 64x1024, 64x8192, 128x4096 (``--cases`` also takes any other ``<batch>x<kv_len>``).
+
+Ours: ``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=False)`` and ``=True``, each
+timed eagerly (``run`` called from Python) and as the replay of a CUDA graph (wrapper built with
+``use_cuda_graph=True`` and the three index buffers; one ``run`` per input set captured after a warm-up run):
+at small batch the launch overhead is the larger part of a call.
+
+Peers: torch SDPA with the cuDNN and the flash backends on contiguous K/V ``[B, Hkv, S, D]`` with q
+``[B, Hq, 1, D]`` (``enable_gqa=True``; K/V repeated to 32 heads outside the timing where a backend refuses
+GQA, and the table says so), FlexAttention compiled (no block mask: a decode query sees every key), and
+FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (CUDA-core and tensor-core, eager and CUDA graph) when
+``import flashinfer`` works. Every runner is checked against SDPA (flash backend) before it is timed; ours
+runs first into an ``out`` filled with NaN (for the graph forms: the captured output, filled with NaN before a
+replay) and must be within a relative-norm error of 2e-2, or it is reported wrong and not timed.
+
+Metric: bytes of K/V read per second, K/V bytes = 2 * batch * kv_len * Hkv * D * 2 (bf16; an fp8 cache would
+read half), against the device copy ceiling (4.27 TB/s on the H200 unless ``--measure-ceilings``). The input
+sets rotated among hold at least ``--l2-multiple`` (default 4) times the L2 in K/V, so the small cases use
+several distinct caches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+from typing import Callable, List, Optional
+
+from . import common
+
+NAME = "decode"
+HQ, HKV, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+KV_ELEMENT_BYTES = 2  # bf16
+TOL = 2e-2
+WORKSPACE_BYTES = 256 << 20
+DEVICE = "cuda"  # a module variable only so that a CPU dry run of the plumbing can change it
+L2_MULTIPLE = 4.0
+MAX_SETS = 64
+
+#: name -> (batch, kv_len).
+WORKLOADS = {
+    "1x8192": (1, 8192),
+    "8x4096": (8, 4096),
+    "32x2048": (32, 2048),
+    "64x1024": (64, 1024),
+    "64x8192": (64, 8192),
+    "128x4096": (128, 4096),
+}
+QUICK_WORKLOADS = ("1x8192", "32x2048")
+
+#: The issue's absolute targets, TB/s of K/V read (our best variant).
+TARGET_TBPS = {"1x8192": 2.5, "64x8192": 4.3, "128x4096": 4.3}
+#: "No slower than the faster of FlashInfer paged decode and cuDNN", eager forms and all forms.
+TARGET_PEERS_EAGER = ("fi-cc", "fi-tc", "cudnn")
+TARGET_PEERS_ALL = ("fi-cc", "fi-tc", "fi-cc-graph", "fi-tc-graph", "cudnn")
+
+BYTES_FORMULA = ("K/V bytes = 2 * batch * kv_len * Hkv * D * 2 (bf16; an fp8 cache reads half); q, o and the "
+                 "page table (under 0.2% here) are not counted")
+FLOPS_FORMULA = "flops = 4 * batch * kv_len * Hq * D (q.k and p.v); decode is memory-bound at every case here"
+RATIO_NOTE = "ratio = peer time / our time (above 1: ours is faster)"
+
+#: (key, title) of our runners and of the peers, in the order they run and appear in the tables.
+OURS = (("cc", "serveattn CUDA-core, eager"), ("cc-graph", "serveattn CUDA-core, CUDA graph"),
+        ("tc", "serveattn tensor-core, eager"), ("tc-graph", "serveattn tensor-core, CUDA graph"))
+PEERS = (("flash", "torch flash SDPA"), ("cudnn", "cuDNN SDPA"), ("flex", "FlexAttention (compiled)"),
+         ("fi-cc", "FlashInfer CUDA-core"), ("fi-tc", "FlashInfer tensor-core"),
+         ("fi-cc-graph", "FlashInfer CUDA-core, CUDA graph"), ("fi-tc-graph", "FlashInfer tensor-core, CUDA graph"))
+OUR_KEYS = tuple(k for k, _ in OURS)
+PEER_KEYS = tuple(k for k, _ in PEERS)
+
+
+def add_arguments(parser) -> None:
+    """Options of this family (the shared ones are added by __main__)."""
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated workloads, each <batch>x<kv_len>; decode's are {','.join(WORKLOADS)} "
+                             f"(default: all; with --quick: {','.join(QUICK_WORKLOADS)}; under 'all' the list goes "
+                             f"to every family: see each family's --help)")
+    parser.add_argument("--peers", default=None,
+                        help=f"comma-separated peers, or 'none'; decode's are {','.join(PEER_KEYS)} (default: all; "
+                             f"under 'all' the list goes to every family: flash,cudnn,flex are common to all)")
+    parser.add_argument("--ours", default=None,
+                        help=f"decode: comma-separated serveattn variants of {','.join(OUR_KEYS)} (default: all)")
+    parser.add_argument("--l2-multiple", type=float, default=L2_MULTIPLE,
+                        help="decode: raise --sets until the rotated input sets hold this many times the L2 in "
+                             f"K/V bytes, at most {MAX_SETS} sets (default {L2_MULTIPLE:g}; 0: --sets as given)")
+
+
+# ---------------------------------------------------------------- inputs
+
+@dataclasses.dataclass
+class Meta:
+    """Page table of one workload (int32 index tensors on the GPU); shared by every input set."""
+
+    batch: int
+    kv_len: int
+    indptr: object         # [batch + 1]
+    indices: object        # [num_pages], a shuffled permutation of the pages
+    last_page_len: object  # [batch]
+    num_pages: int
+    page_of_token: object  # [batch * kv_len] int64: the page that holds each token (request-major)
+    slot_of_token: object  # [batch * kv_len] int64: its slot in the page
+
+
+@dataclasses.dataclass
+class InputSet:
+    q: object      # [B, Hq, D]
+    cache: object  # [pages, 2, PAGE_SIZE, Hkv, D], K/V scattered through the shuffled page table
+    qb: object     # [B, Hq, 1, D] (a view of q)
+    kb: object     # [B, Hkv, S, D] contiguous, the same values as the cache
+    vb: object
+
+
+def parse_case(name: str):
+    """'64x8192' -> (64, 8192); a sentence otherwise."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", name)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise SystemExit(f"decode: case {name!r} is not <batch>x<kv_len> (e.g. 64x8192); decode's cases are "
+                         f"{list(WORKLOADS)}.")
+    return int(m.group(1)), int(m.group(2))
+
+
+def build_meta(batch: int, kv_len: int, seed: int = 0) -> Meta:
+    import torch
+
+    dev = DEVICE
+    per = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
+    num_pages = batch * per
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=g)  # shuffled page table
+    t = torch.arange(kv_len)
+    logical = torch.arange(batch).repeat_interleave(kv_len) * per + (t // PAGE_SIZE).repeat(batch)
+    i32 = dict(dtype=torch.int32, device=dev)
+    return Meta(
+        batch=batch, kv_len=kv_len,
+        indptr=torch.arange(0, num_pages + 1, per, **i32),
+        indices=perm.to(**i32),
+        last_page_len=torch.full((batch,), kv_len - PAGE_SIZE * (per - 1), **i32),
+        num_pages=num_pages,
+        page_of_token=perm[logical].to(dev),
+        slot_of_token=(t % PAGE_SIZE).repeat(batch).to(dev),
+    )
+
+
+def build_inputs(meta: Meta, seed: int) -> InputSet:
+    """Random bf16 q/K/V; the paged cache starts random too (slots past a request's length are never zeros)."""
+    import torch
+
+    dev, bf = DEVICE, torch.bfloat16
+    b, s = meta.batch, meta.kv_len
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(b, HQ, HEAD_DIM, dtype=bf, device=dev, generator=g)
+    kb = torch.randn(b, HKV, s, HEAD_DIM, dtype=bf, device=dev, generator=g)
+    vb = torch.randn(b, HKV, s, HEAD_DIM, dtype=bf, device=dev, generator=g)
+    cache = torch.randn(meta.num_pages, 2, PAGE_SIZE, HKV, HEAD_DIM, dtype=bf, device=dev, generator=g)
+    for j, x in ((0, kb), (1, vb)):
+        part = cache[:, j]
+        part[meta.page_of_token, meta.slot_of_token] = x.transpose(1, 2).reshape(b * s, HKV, HEAD_DIM)
+    # The scatter is the benchmark's own code: check it on the last request before anyone is measured on it.
+    sl = slice((b - 1) * s, b * s)
+    back = cache[:, 1][meta.page_of_token[sl], meta.slot_of_token[sl]]
+    if not torch.equal(back, vb[b - 1].transpose(0, 1)):
+        raise RuntimeError("decode bench: the paged cache does not hold the contiguous V (page scatter bug)")
+    return InputSet(q=q, cache=cache, qb=q.view(b, HQ, 1, HEAD_DIM), kb=kb, vb=vb)
+
+
+def kv_bytes(batch: int, kv_len: int) -> float:
+    return float(2 * batch * kv_len * HKV * HEAD_DIM * KV_ELEMENT_BYTES)
+
+
+def work(batch: int, kv_len: int) -> tuple:
+    """(flops, bytes) of one run, by the formulas printed with the results."""
+    return 4.0 * batch * kv_len * HQ * HEAD_DIM, kv_bytes(batch, kv_len)
+
+
+# ---------------------------------------------------------------- runners
+
+def _identity(out, meta):
+    return out
+
+
+def _squeeze_bh1d(out, meta):
+    """[B, Hq, 1, D] -> [B, Hq, D]."""
+    return out.reshape(meta.batch, HQ, HEAD_DIM)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A runner ready to time: one call per input set, how to compare its output, what to say about it."""
+
+    fns: List[Callable[[], object]]
+    note: str = ""
+    normalize: Callable = _identity
+    poisoned: Optional[Callable[[], object]] = None  # a call on set 0 whose every output element is checked
+    keep: object = None  # what the calls need alive (wrappers, workspaces, graphs, static outputs)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _poisoned_call(run, args, like):
+    """A call that passes ``out=`` filled with NaN, so an unwritten element shows as a failed check."""
+    import torch
+
+    def call():
+        out = torch.full_like(like, float("nan"))
+        res = _first(run(*args, out=out))
+        return res if res is not None else out
+
+    return call
+
+
+def _workspace():
+    import torch
+
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
+
+
+def _decode_wrapper(cls, meta: Meta, tensor_cores: bool, graph: bool):
+    """A planned decode wrapper (serveattn's or FlashInfer's: same constructor and plan arguments)."""
+    import torch
+
+    kwargs = {}
+    if graph:
+        i32 = dict(dtype=torch.int32, device=DEVICE)
+        kwargs = dict(paged_kv_indptr_buffer=torch.empty(meta.batch + 1, **i32),
+                      paged_kv_indices_buffer=torch.empty(meta.num_pages, **i32),
+                      paged_kv_last_page_len_buffer=torch.empty(meta.batch, **i32))
+    w = cls(_workspace(), "NHD", use_cuda_graph=graph, use_tensor_cores=tensor_cores, **kwargs)
+    w.plan(meta.indptr, meta.indices, meta.last_page_len, HQ, HKV, HEAD_DIM, PAGE_SIZE,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return w
+
+
+def _backend_note(w) -> str:
+    note = f"backend={getattr(w, 'backend', '?')}"
+    why = str(getattr(w, "backend_fallback_reason", None) or "").strip().splitlines()
+    if why:
+        note += f" (auto declined: {why[0] if len(why[0]) <= 100 else why[0][:97] + '...'})"
+    return note
+
+
+def _prepare_eager(cls, tensor_cores: bool, note: str, poison: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+    w = _decode_wrapper(cls, meta, tensor_cores, graph=False)
+    fns = [functools.partial(w.run, s.q, s.cache) for s in sets]
+    return Prepared(fns=fns, note=note(w), keep=w,
+                    poisoned=_poisoned_call(w.run, (sets[0].q, sets[0].cache), sets[0].q) if poison else None)
+
+
+def _prepare_graph(cls, tensor_cores: bool, note: str, meta: Meta, sets: List[InputSet]) -> Prepared:
+    """One wrapper (use_cuda_graph=True), one graph per input set, each capturing ``run(q_i, cache_i, out=o_i)``
+    after a warm-up run; the timed call is ``graph.replay()``. The check fills set 0's captured output with NaN,
+    replays, and compares."""
+    import torch
+
+    w = _decode_wrapper(cls, meta, tensor_cores, graph=True)
+    outs = [torch.empty_like(s.q) for s in sets]
+    how = "run(q, cache, out=...) captured"
+    try:
+        graphs, results = common.capture_cuda_graphs(
+            [functools.partial(w.run, s.q, s.cache, out=o) for s, o in zip(sets, outs)])
+    except TypeError as exc:
+        if "out" not in str(exc):
+            raise
+        graphs, results = common.capture_cuda_graphs([functools.partial(w.run, s.q, s.cache) for s in sets])
+        how = f"run(q, cache) captured (out= refused: {common.one_line(exc, 80)})"
+    results = [_first(r) for r in results]
+    static0, graph0 = results[0], graphs[0]
+
+    def poisoned():
+        static0.fill_(float("nan"))
+        graph0.replay()
+        return static0
+
+    return Prepared(fns=[g.replay for g in graphs], poisoned=poisoned, keep=(w, graphs, results, outs),
+                    note=f"{note(w)}; {how}, one graph per input set, timed: graph.replay()")
+
+
+def prepare_ours(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+    import serveattn
+
+    cls = getattr(serveattn, "BatchDecodeWithPagedKVCacheWrapper", None)
+    if cls is None:
+        raise NotImplementedError("serveattn has no BatchDecodeWithPagedKVCacheWrapper")
+    if graph:
+        return _prepare_graph(cls, tensor_cores, _backend_note, meta, sets)
+    return _prepare_eager(cls, tensor_cores, _backend_note, True, meta, sets)
+
+
+def prepare_flashinfer(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+    fi = common.import_flashinfer()
+
+    def note(w):
+        return (f"flashinfer {getattr(fi, '__version__', '?')}, use_tensor_cores={tensor_cores}, "
+                f"same shuffled page table")
+
+    if graph:
+        return _prepare_graph(fi.BatchDecodeWithPagedKVCacheWrapper, tensor_cores, note, meta, sets)
+    return _prepare_eager(fi.BatchDecodeWithPagedKVCacheWrapper, tensor_cores, note, False, meta, sets)
+
+
+def _sdpa_call(backend, q, k, v, gqa: bool):
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):  # no causal mask: the one decode query sees every key
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> Prepared:
+    """SDPA on contiguous [B, H, S, D] K/V, q [B, Hq, 1, D]; enable_gqa=True, or K/V repeated if refused."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    backend = getattr(SDPBackend, backend_name)
+    s0 = sets[0]
+    try:
+        _sdpa_call(backend, s0.qb, s0.kb, s0.vb, True)
+        torch.cuda.synchronize()
+        fns = [functools.partial(_sdpa_call, backend, s.qb, s.kb, s.vb, True) for s in sets]
+        note = "GQA via enable_gqa=True, contiguous [B, Hkv, S, D] K/V"
+    except Exception as exc:  # noqa: BLE001 - the backend refused GQA: repeat K/V outside the timing
+        g = HQ // HKV
+        fns = []
+        for s in sets:
+            kr = s.kb.repeat_interleave(g, dim=1).contiguous()
+            vr = s.vb.repeat_interleave(g, dim=1).contiguous()
+            fns.append(functools.partial(_sdpa_call, backend, s.qb, kr, vr, False))
+        note = (f"K/V repeated to {HQ} heads, so it reads {g}x the bytes counted "
+                f"(enable_gqa refused: {common.one_line(exc, 120)})")
+    return Prepared(fns=fns, note=note, normalize=_squeeze_bh1d)
+
+
+_FLEX = {}
+
+
+def prepare_flex(meta: Meta, sets: List[InputSet]) -> Prepared:
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if "fn" not in _FLEX:
+        # Six decode shapes plus prefill's in one process exceed dynamo's default recompile limit (8), past
+        # which flex_attention would silently run uncompiled; raise it for this process.
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        if getattr(cfg, name, 64) < 64:
+            setattr(cfg, name, 64)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
+    fns = [functools.partial(flex, x.qb, x.kb, x.vb, enable_gqa=True) for x in sets]
+    return Prepared(fns=fns, note=f"torch.compile(flex_attention), no block mask, enable_gqa=True, "
+                                  f"torch {torch.__version__}", normalize=_squeeze_bh1d)
+
+
+PREPARE = {
+    "cc": functools.partial(prepare_ours, False, False),
+    "cc-graph": functools.partial(prepare_ours, False, True),
+    "tc": functools.partial(prepare_ours, True, False),
+    "tc-graph": functools.partial(prepare_ours, True, True),
+    "flash": functools.partial(prepare_sdpa, "FLASH_ATTENTION"),
+    "cudnn": functools.partial(prepare_sdpa, "CUDNN_ATTENTION"),
+    "flex": prepare_flex,
+    "fi-cc": functools.partial(prepare_flashinfer, False, False),
+    "fi-tc": functools.partial(prepare_flashinfer, True, False),
+    "fi-cc-graph": functools.partial(prepare_flashinfer, False, True),
+    "fi-tc-graph": functools.partial(prepare_flashinfer, True, True),
+}
+
+
+def reference(meta: Meta, s0: InputSet):
+    """SDPA output on set 0 as [B, Hq, D]: the flash backend, else memory-efficient, else cuDNN."""
+    import torch
+
+    errors = []
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        try:
+            prep = prepare_sdpa(name, meta, [s0])
+            out = prep.fns[0]()
+            torch.cuda.synchronize()
+            return _squeeze_bh1d(out, meta).clone(), f"torch SDPA {name.lower()} ({prep.note})"
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{name}: {common.one_line(exc, 100)}")
+    raise RuntimeError("no SDPA backend could compute the reference: " + "; ".join(errors))
+
+
+# ---------------------------------------------------------------- the run
+
+def _split(text):
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _selected(args):
+    quick = bool(getattr(args, "quick", False))
+    cases = getattr(args, "cases", None)
+    names = _split(cases) if cases else (list(QUICK_WORKLOADS) if quick else list(WORKLOADS))
+    for n in names:
+        parse_case(n)
+    peers = (getattr(args, "peers", None) or ",".join(PEER_KEYS)).strip()
+    peer_names = [] if peers == "none" else _split(peers)
+    bad = [p for p in peer_names if p not in PEER_KEYS]
+    if bad:
+        raise SystemExit(f"decode: unknown peer(s) {bad}; choose from {list(PEER_KEYS)} or 'none'.")
+    ours = _split(getattr(args, "ours", None) or ",".join(OUR_KEYS))
+    bad = [k for k in ours if k not in OUR_KEYS]
+    if bad or not ours:
+        raise SystemExit(f"decode: unknown serveattn variant(s) {bad or ours}; choose from {list(OUR_KEYS)}.")
+    return names, [k for k in OUR_KEYS if k in ours], [k for k in PEER_KEYS if k in peer_names]
+
+
+def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = lambda r: None) -> dict:
+    """Runs the selected workloads; returns the family's result (``ok``, ``cases``, ``report``)."""
+    import torch
+
+    common.require_cuda()
+    names, ours, peers = _selected(args)
+    quick = bool(getattr(args, "quick", False))
+    warmup_ms = args.warmup_ms if args.warmup_ms is not None else (10 if quick else 25)
+    rep_ms = args.rep_ms if args.rep_ms is not None else (40 if quick else 100)
+    passes = args.passes if args.passes is not None else (1 if quick else 2)
+    min_sets = args.sets if args.sets is not None else (1 if quick else 2)
+    l2_multiple = getattr(args, "l2_multiple", None)
+    l2_multiple = L2_MULTIPLE if l2_multiple is None else l2_multiple
+    l2 = common.l2_cache_bytes()
+
+    runners = ours + peers
+    titles = dict(OURS + PEERS)
+    result = {
+        "family": NAME, "ok": True,
+        "config": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
+                   "dtype": "bfloat16", "kv_layout": "NHD", "page_table": "shuffled (torch.randperm)",
+                   "warmup_ms": warmup_ms, "rep_ms": rep_ms, "passes": passes, "min_input_sets": min_sets,
+                   "l2_bytes": l2, "l2_multiple": l2_multiple, "max_sets": MAX_SETS, "tolerance": TOL,
+                   "ours": ours, "peers": peers,
+                   "workloads": {n: parse_case(n) for n in names}, "targets_tbps": TARGET_TBPS,
+                   "target_peers": {"eager": TARGET_PEERS_EAGER, "all": TARGET_PEERS_ALL}},
+        "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA, "ratio": RATIO_NOTE,
+        "cases": [],
+    }
+    bar = common.Progress(len(names) * len(runners) * (1 + passes), NAME)
+    try:
+        for wi, name in enumerate(names):
+            case = _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, min_sets, l2,
+                             l2_multiple, bar, wi)
+            result["cases"].append(case)
+            result["ok"] = result["ok"] and case["ours_ok"]
+            checkpoint(result)
+            torch.cuda.empty_cache()
+    finally:
+        bar.close()
+    result["targets"] = targets(result)
+    result["report"] = report(result, ceilings)
+    return result
+
+
+def _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, min_sets, l2, l2_multiple,
+              bar, wi) -> dict:
+    import torch
+
+    batch, kv_len = parse_case(name)
+    flops, nbytes = work(batch, kv_len)
+    n_sets = common.rotation_sets(nbytes, min_sets, l2, l2_multiple, MAX_SETS)
+    meta = build_meta(batch, kv_len, seed=wi)
+    sets = [build_inputs(meta, seed=100 * wi + i) for i in range(n_sets)]
+    case = {"name": name, "batch": batch, "kv_len": kv_len, "num_pages": meta.num_pages,
+            **common.floors(flops, nbytes, ceilings, "bf16"),
+            "input_sets": n_sets, "rotation_bytes": n_sets * nbytes, "runners": {}, "ours_ok": True}
+    try:
+        ref, case["reference"] = reference(meta, sets[0])
+    except Exception as exc:  # noqa: BLE001
+        ref, case["reference"] = None, f"none ({common.one_line(exc)})"
+    bar.log(f"[{name}] batch {batch} x kv {kv_len}, {meta.num_pages} pages, K/V {nbytes / 1e6:.1f} MB a set, "
+            f"{n_sets} input set(s) rotated ({n_sets * nbytes / 1e6:.0f} MB, L2 {l2 / 2 ** 20:.0f} MiB); "
+            f"reference: {case['reference']}")
+
+    ready = {}
+    for key in runners:
+        ours = key in OUR_KEYS
+        r = {"title": titles[key], "ours": ours, "status": "ok", "reason": None, "note": "",
+             "err": None, "first_call_s": None}
+        bar.status(f"{name} {key}: prepare")
+        prep = None
+        try:
+            t0 = time.perf_counter()
+            prep = PREPARE[key](meta, sets)
+            r["note"] = prep.note
+            try:  # warm-up (compile, JIT, autotune) and the output for the check, outside the timing
+                out, _ = common.timed_first_call(prep.poisoned or prep.fns[0])
+            except TypeError as exc:
+                if prep.poisoned is None or "out" not in str(exc) or key.endswith("graph"):
+                    raise
+                out, _ = common.timed_first_call(prep.fns[0])
+                prep.note += f"; run(out=...) refused ({common.one_line(exc, 80)}), unwritten elements not checked"
+                r["note"] = prep.note
+            r["first_call_s"] = time.perf_counter() - t0
+            if ref is not None:
+                r["err"] = common.rel_err(prep.normalize(_first(out), meta), ref)
+                if not (r["err"] < TOL):
+                    r["status"] = "wrong"
+                    r["reason"] = (f"relative error {r['err']:.3g} against {case['reference'].split(' (')[0]} "
+                                   f"(tolerance {TOL}; NaN means an unwritten or non-finite output)")
+            elif ours:
+                r["status"] = "unchecked"
+                r["reason"] = f"no reference: {case['reference']}"
+            del out
+            for fn in prep.fns[1:]:
+                fn()
+            torch.cuda.synchronize()
+            if r["status"] in ("ok", "unchecked"):
+                ready[key] = prep
+        except Exception as exc:  # noqa: BLE001 - a failing runner is a line in the table, never a crash
+            r["status"] = "failed"
+            r["reason"] = common.one_line(exc)
+        del prep
+        if ours and r["status"] != "ok":
+            case["ours_ok"] = False
+        case["runners"][key] = r
+        msg = f"[{name}] {key}: {r['status']}"
+        if r["err"] is not None:
+            msg += f", err {r['err']:.2e}"
+        if r["first_call_s"] is not None:
+            msg += f", prepare + first call {r['first_call_s']:.1f} s"
+        if r["reason"]:
+            msg += f" - {r['reason']}"
+        bar.log(msg)
+        bar.update(1)
+
+    runs = {k: [] for k in runners}
+    b2b = {k: [] for k in runners}
+    for p in range(passes):  # passes interleave the runners, so drift shows up as spread
+        for key in runners:
+            bar.status(f"{name} {key}: pass {p + 1}/{passes}")
+            if key in ready:
+                try:
+                    fn = common.rotating(ready[key].fns)
+                    runs[key].append(common.bench_ms(fn, warmup_ms, rep_ms))
+                    b2b[key].append(common.back_to_back_ms(fn, warmup_ms, rep_ms))
+                except Exception as exc:  # noqa: BLE001
+                    r = case["runners"][key]
+                    r["status"], r["reason"] = "failed", f"while timing: {common.one_line(exc)}"
+                    ready.pop(key)
+                    if r["ours"]:
+                        case["ours_ok"] = False
+            bar.update(1)
+
+    for key in runners:
+        r = case["runners"][key]
+        if r["status"] in ("ok", "unchecked") and runs[key]:
+            r.update(common.summarize_passes(runs[key]))
+            r["tbps"] = nbytes / (r["ms"] * 1e-3) / 1e12
+            r["of_ceiling"] = r["tbps"] * 1e12 / ceilings.bandwidth
+            r["over_floor"] = r["ms"] / case["floor_ms"]
+            r["b2b_ms_runs"] = b2b[key]
+            r["b2b_ms"] = sum(b2b[key]) / len(b2b[key]) if b2b[key] else None
+            bar.log(f"[{name}] {key}: {r['ms']:.4f} ms, {r['tbps']:.2f} TB/s"
+                    + (f" (spread {100 * r['spread']:.1f}%)" if r.get("spread") is not None else "")
+                    + (f", back to back {r['b2b_ms']:.4f} ms/call" if r["b2b_ms"] is not None else ""))
+    del sets, ready, ref
+    return case
+
+
+# ---------------------------------------------------------------- targets
+
+def _fastest(case: dict, keys) -> Optional[tuple]:
+    """(key, runner) with the smallest time among ``keys`` that were measured, or None."""
+    got = [(k, case["runners"][k]) for k in keys
+           if k in case["runners"] and case["runners"][k].get("ms") is not None]
+    return min(got, key=lambda kr: kr[1]["ms"]) if got else None
+
+
+def _against(ours, peer) -> dict:
+    """Our fastest against the peers' fastest: ratio, verdict, whether a miss is within the passes' spread."""
+    if ours is None or peer is None:
+        return {"ours": ours and ours[0], "ours_ms": ours and ours[1]["ms"], "peer": peer and peer[0],
+                "peer_ms": peer and peer[1]["ms"], "ratio": None,
+                "verdict": "no serveattn time" if ours is None else "no peer time"}
+    ratio = peer[1]["ms"] / ours[1]["ms"]
+    noise = max(ours[1].get("spread") or 0.0, peer[1].get("spread") or 0.0)
+    verdict = "met" if ratio >= 1.0 else ("missed (within the spread)" if 1.0 - ratio <= noise else "missed")
+    return {"ours": ours[0], "ours_ms": ours[1]["ms"], "peer": peer[0], "peer_ms": peer[1]["ms"],
+            "ratio": ratio, "verdict": verdict}
+
+
+def targets(result: dict) -> list:
+    """Per case: ours (eager) vs the faster of FlashInfer/cuDNN (eager), ours (any form) vs them (any form),
+    and the absolute TB/s target where the issue sets one."""
+    out = []
+    ours_eager = [k for k in ("cc", "tc") if k in result["config"]["ours"]]
+    for c in result["cases"]:
+        t = {"case": c["name"],
+             "eager": _against(_fastest(c, ours_eager), _fastest(c, TARGET_PEERS_EAGER)),
+             "all": _against(_fastest(c, OUR_KEYS), _fastest(c, TARGET_PEERS_ALL))}
+        goal = TARGET_TBPS.get(c["name"])
+        best = _fastest(c, OUR_KEYS)
+        if goal is not None:
+            tb = best[1]["tbps"] if best else None
+            t["tbps"] = {"target": goal, "ours": best and best[0], "ours_tbps": tb,
+                         "verdict": "no serveattn time" if tb is None else ("met" if tb >= goal else "missed")}
+        out.append(t)
+    return out
+
+
+# ---------------------------------------------------------------- tables
+
+def _peer_cell(ours: dict, peer: dict) -> str:
+    if peer["status"] not in ("ok", "unchecked") or peer.get("ms") is None:
+        reason = peer["reason"] or ""
+        return f"{peer['status']}: {reason if len(reason) <= 70 else reason[:67] + '...'}"
+    cell = f"{peer['tbps']:.2f} TB/s"
+    if ours.get("ms"):
+        cell += f", {peer['ms'] / ours['ms']:.2f}x"
+    if "repeated" in peer.get("note", ""):
+        cell += " (K/V repeated)"
+    return cell
+
+
+def _who(key: Optional[str]) -> str:
+    return dict(OURS + PEERS).get(key, key or "-")
+
+
+def report(result: dict, ceilings: "common.Ceilings") -> str:
+    cases = result["cases"]
+    cfg = result["config"]
+    peers = cfg["peers"]
+    titles = dict(PEERS)
+    bw = ceilings.bandwidth / 1e12
+    lines = [f"## decode: GQA {HQ}/{HKV} heads, head dim {HEAD_DIM}, bf16, page size {PAGE_SIZE}, shuffled page "
+             f"table, one query token per request",
+             "",
+             f"- {BYTES_FORMULA}; TB/s = K/V bytes / time.",
+             f"- floor = K/V bytes / {bw:.2f} TB/s (device copy, read + write: a read-only stream can pass it, "
+             f"so '% of ceiling' can exceed 100%); 'ours/floor' is our time over it.",
+             f"- {RATIO_NOTE}; peer cells: peer TB/s, ratio to the serveattn variant of the row.",
+             f"- ms: median of triton.testing.do_bench (L2 flushed before every call; warmup {cfg['warmup_ms']} "
+             f"ms, rep {cfg['rep_ms']} ms), mean over {cfg['passes']} interleaved pass(es). 'b2b': mean ms per "
+             f"call over a loop of calls back to back with no flush, which the host's launch cost bounds from "
+             f"below: eager vs graph there is the launch overhead.",
+             f"- each timed call rotates among distinct random input sets (q, paged cache, contiguous K/V) "
+             f"holding at least {cfg['l2_multiple']:g}x the {cfg['l2_bytes'] / 2 ** 20:.0f} MiB L2 in K/V (at least "
+             f"{cfg['min_input_sets']}, at most {cfg['max_sets']} sets; the count per case is in 'floors').",
+             f"- CUDA graph: one graph per input set, each capturing one run after a warm-up run; the timed call "
+             f"is graph.replay().",
+             ""]
+
+    headers = ["case", "ours", "ms", "TB/s", f"% of {bw:.2f}", "spread", "err", "ours/floor", "b2b ms"]
+    headers += [titles[p] for p in peers]
+    rows = []
+    for c in cases:
+        for key, _ in OURS:
+            o = c["runners"].get(key)
+            if o is None:
+                continue
+            ok = o["status"] in ("ok", "unchecked") and o.get("ms") is not None
+            row = [c["name"], key]
+            if ok:
+                row += [f"{o['ms']:.4f}", f"{o['tbps']:.2f}", f"{100 * o['of_ceiling']:.0f}%",
+                        common.fmt(100 * o["spread"], ".1f") + "%" if o.get("spread") is not None else "-",
+                        common.fmt(o["err"], ".1e"), f"{o['over_floor']:.2f}x", common.fmt(o.get("b2b_ms"), ".4f")]
+            else:
+                row += [f"{o['status'].upper()}: {o['reason']}", "-", "-", "-", common.fmt(o["err"], ".1e"),
+                        "-", "-"]
+            row += [_peer_cell(o if ok else {}, c["runners"][p]) for p in peers]
+            rows.append(row)
+    lines += ["### serveattn against the peers", "",
+              "ours: cc = use_tensor_cores=False, tc = use_tensor_cores=True; -graph = CUDA graph replay.", "",
+              common.markdown_table(headers, rows), ""]
+
+    frows = [[c["name"], f"{c['batch']} x {c['kv_len']}", f"{c['bytes'] / 1e6:.1f}", f"{c['bytes_floor_ms']:.4f}",
+              f"{c['flops_floor_ms']:.4f}", c["input_sets"], f"{c['rotation_bytes'] / 1e6:.0f}"] for c in cases]
+    lines += ["### floors and input sets", "",
+              common.markdown_table(["case", "batch x KV", "K/V MB", f"floor ms (bytes / {bw:.2f} TB/s)",
+                                     "flops floor ms", "input sets", "rotated K/V MB"], frows), ""]
+
+    tr = []
+    for t in result.get("targets", []):
+        row = [t["case"]]
+        for form in ("eager", "all"):
+            a = t[form]
+            row += [f"{_who(a['peer'])}, {a['peer_ms']:.4f} ms" if a["peer"] else "-",
+                    f"{a['ours']}, {a['ours_ms']:.4f} ms" if a["ours"] else "-",
+                    f"{a['ratio']:.2f}x, {a['verdict']}" if a["ratio"] is not None else a["verdict"]]
+        if "tbps" in t:
+            x = t["tbps"]
+            row += [f">= {x['target']:g}", f"{common.fmt(x['ours_tbps'], '.2f')} ({x['ours'] or '-'}), {x['verdict']}"]
+        else:
+            row += ["-", "-"]
+        tr.append(row)
+    if tr:
+        met = sum(1 for t in result["targets"] for f in ("eager", "all") if t[f]["verdict"] == "met")
+        met += sum(1 for t in result["targets"] if t.get("tbps", {}).get("verdict") == "met")
+        total = sum(2 + ("tbps" in t) for t in result["targets"])
+        lines += ["### targets (issue: no slower than the faster of FlashInfer paged decode and cuDNN at every "
+                  "case; >= 4.3 TB/s at 64x8192 and 128x4096, >= 2.5 TB/s at 1x8192)", "",
+                  "eager: our faster eager variant against the fastest of FlashInfer CUDA-core / tensor-core "
+                  "(eager) and cuDNN SDPA; any form: our fastest variant (graph included) against the fastest "
+                  "of those and FlashInfer's graph forms. TB/s: our fastest variant.", "",
+                  common.markdown_table(["case", "fastest peer, eager", "ours, eager", "eager: peer/ours",
+                                         "fastest peer, any form", "ours, any form", "any form: peer/ours",
+                                         "TB/s target", "ours TB/s"], tr), "",
+                  f"targets met: {met} of {total} measured here (a target whose peer was not measured counts "
+                  f"as not met).", ""]
+
+    prows = []
+    for c in cases:
+        for key in peers:
+            p = c["runners"][key]
+            prows.append([c["name"], titles[key], p["status"], common.fmt(p.get("ms"), ".4f"),
+                          common.fmt(p.get("tbps"), ".2f"), common.fmt(p.get("b2b_ms"), ".4f"),
+                          common.fmt(p.get("err"), ".1e"), common.fmt(p.get("first_call_s"), ".1f"),
+                          p["reason"] or p.get("note", "")])
+    if prows:
+        lines += ["### peers", "",
+                  common.markdown_table(["case", "peer", "status", "ms", "TB/s", "b2b ms", "err vs ref",
+                                         "prepare + first call s", "how / reason"], prows), ""]
+    notes = sorted({c["runners"][k].get("note", "") for c in cases for k in OUR_KEYS if k in c["runners"]} - {""})
+    if notes:
+        lines += ["serveattn: " + "; ".join(notes), ""]
+    refs = sorted({c.get("reference", "") for c in cases})
+    lines += [f"reference for 'err': {'; '.join(refs)}; tolerance {TOL} (relative norm)."]
+    if not result["ok"]:
+        lines += ["", "**serveattn failed or was wrong in at least one case: see the rows above.**"]
+    return "\n".join(lines)

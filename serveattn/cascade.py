@@ -1,0 +1,320 @@
+"""Cascade attention with FlashInfer's names: merging attention states, and multi-level attention.
+
+An attention state is (v, s): the softmax-weighted values and the base-2 LSE of one query row over one
+KV segment. States over disjoint segments merge exactly into the state over their union, which is how
+`MultiLevelCascadeAttentionWrapper` attends to a shared prefix once for many requests: level 0 (typically
+one prefix for all query rows) and every further level run as paged prefill with their own page tables,
+and their states are merged in place.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import backend as backends
+from . import policy
+from .prefill import _ARRAYS, BatchPrefillWithPagedKVCacheWrapper, make_plan, split_paged_cache
+
+V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------- validation
+
+def _shape_of(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_state(entry: str, v_name: str, v, s_name: str, s, v_dims: int) -> None:
+    """v has v_dims dimensions and a served dtype; s is float32 with v's shape minus head_dim."""
+    layout = "[seq_len, num_heads, head_dim]" if v_dims == 3 else "[seq_len, num_states, num_heads, head_dim]"
+    if not isinstance(v, torch.Tensor) or v.dim() != v_dims:
+        policy.refuse(entry, f"{v_name} has shape {_shape_of(v)}; expected a {v_dims}-D tensor {layout}.")
+    if v.dtype not in V_DTYPES:
+        policy.unsupported(entry, f"{v_name} has dtype {v.dtype}; supported: float16, bfloat16, float32.")
+    if v.shape[-1] < 1 or v.shape[-2] < 1:
+        policy.refuse(entry, f"{v_name} has shape {tuple(v.shape)}; num_heads and head_dim must be positive.")
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(v.shape[:-1]):
+        policy.refuse(entry, f"{s_name} has shape {_shape_of(s)}; expected {tuple(v.shape[:-1])} "
+                             f"({v_name}'s shape without head_dim).")
+    if s.dtype != torch.float32:
+        policy.refuse(entry, f"{s_name} has dtype {s.dtype}; the LSE must be float32.")
+    if s.device != v.device:
+        policy.refuse(entry, f"{s_name} is on {s.device} but {v_name} is on {v.device}.")
+
+
+def _check_pair(entry: str, names, v_a, s_a, v_b, s_b) -> None:
+    va_name, sa_name, vb_name, sb_name = names
+    _check_state(entry, va_name, v_a, sa_name, s_a, 3)
+    _check_state(entry, vb_name, v_b, sb_name, s_b, 3)
+    if v_b.shape != v_a.shape:
+        policy.refuse(entry, f"{vb_name} has shape {tuple(v_b.shape)} but {va_name} has {tuple(v_a.shape)}; "
+                             f"the two states must match.")
+    if v_b.dtype != v_a.dtype:
+        policy.refuse(entry, f"{vb_name} has dtype {v_b.dtype} but {va_name} has {v_a.dtype}; "
+                             f"the two states must share one dtype.")
+    policy.check_same_device(entry, v_a.device, **{vb_name: v_b})
+
+
+# ---------------------------------------------------------------- the two implementations
+
+def _merge_torch(v: torch.Tensor, s: torch.Tensor):
+    """v `[rows, N, H, D]`, s `[rows, N, H]` -> fp32 (v `[rows, H, D]`, s `[rows, H]`); the kernels' math."""
+    if s.shape[1] == 0:
+        return (v.new_zeros(v.shape[0], *v.shape[2:], dtype=torch.float32),
+                s.new_full((s.shape[0], s.shape[2]), NEG_INF))
+    s_max = s.amax(dim=1)
+    shift = s_max.masked_fill(s_max == NEG_INF, 0.0)  # all-empty rows: exp2(-inf - 0) = 0, not NaN
+    weight = torch.exp2(s - shift[:, None])
+    # An empty state (weight 0) is never multiplied in: its v may hold anything.
+    weighted = torch.where(weight[..., None] > 0, v.float() * weight[..., None], 0.0).sum(dim=1)
+    total = weight.sum(dim=1)
+    safe_total = torch.where(total > 0, total, 1.0)  # all states empty: weighted is 0, so v = 0 and s = -inf
+    return weighted / safe_total[..., None], torch.where(total > 0, shift + torch.log2(safe_total), NEG_INF)
+
+
+def _merge_two(backend: str, v_a, s_a, v_b, s_b, v_out, s_out, keep=None) -> None:
+    """Writes merge(a, b) into v_out/s_out (which may be v_a/s_a); keep: uint8 `[rows]` or None."""
+    if backend == "triton":
+        from .kernels import merge as merge_kernel  # Triton is imported only when its kernels run
+        merge_kernel.merge_two(v_a, s_a, v_b, s_b, v_out, s_out, keep)
+        return
+    v, s = _merge_torch(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1))
+    if keep is not None:
+        rows = keep.bool()
+        v = torch.where(rows[:, None, None], v, v_out)  # rows left out keep their own values
+        s = torch.where(rows[:, None], s, s_out)
+    v_out.copy_(v)
+    s_out.copy_(s)
+
+
+# ---------------------------------------------------------------- merge entry points
+
+def merge_state(v_a, s_a, v_b, s_b, *, backend: str = "auto"):
+    """Merges two states: v `[seq_len, num_heads, head_dim]` (fp16/bf16/fp32), s `[seq_len, num_heads]`
+    float32 base-2 LSE -> (v_merged in v's dtype, s_merged float32)."""
+    entry = "merge_state"
+    _check_pair(entry, ("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
+    chosen = backends.resolve(entry, backend, v_a.device)
+    v_merged = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
+    s_merged = torch.empty(s_a.shape, dtype=torch.float32, device=s_a.device)
+    _merge_two(chosen, v_a, s_a, v_b, s_b, v_merged, s_merged)
+    return v_merged, s_merged
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = None, *,
+                         backend: str = "auto") -> None:
+    """(v, s) <- merge((v, s), (v_other, s_other)); with a bool/uint8 `mask` `[seq_len]`, only rows where it
+    is true (nonzero) change."""
+    entry = "merge_state_in_place"
+    _check_pair(entry, ("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    keep = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (v.shape[0],):
+            policy.refuse(entry, f"mask has shape {_shape_of(mask)}; expected ({v.shape[0]},), one flag per row.")
+        if mask.dtype not in (torch.bool, torch.uint8):
+            policy.refuse(entry, f"mask has dtype {mask.dtype}; it must be bool or uint8.")
+        policy.check_same_device(entry, v.device, mask=mask)
+        keep = mask.view(torch.uint8)  # same bytes: the kernel reads one byte per row either way
+    chosen = backends.resolve(entry, backend, v.device)
+    _merge_two(chosen, v, s, v_other, s_other, v, s, keep)
+
+
+def merge_states(v, s, *, backend: str = "auto"):
+    """Merges num_states states per row in index order: v `[seq_len, num_states, num_heads, head_dim]`,
+    s `[seq_len, num_states, num_heads]` float32 -> (v `[seq_len, num_heads, head_dim]`, s `[seq_len, num_heads]`)."""
+    entry = "merge_states"
+    _check_state(entry, "v", v, "s", s, 4)
+    chosen = backends.resolve(entry, backend, v.device)
+    rows, _, num_heads, head_dim = v.shape
+    v_merged = torch.empty(rows, num_heads, head_dim, dtype=v.dtype, device=v.device)
+    s_merged = torch.empty(rows, num_heads, dtype=torch.float32, device=v.device)
+    if chosen == "triton":
+        from .kernels import merge as merge_kernel
+        merge_kernel.merge_many(v, s, v_merged, s_merged)
+    else:
+        merged_v, merged_s = _merge_torch(v, s)
+        v_merged.copy_(merged_v)
+        s_merged.copy_(merged_s)
+    return v_merged, s_merged
+
+
+# ---------------------------------------------------------------- multi-level cascade
+
+_LEVEL_ARRAYS = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr", "paged_kv_last_page_len")
+
+
+def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan) -> None:
+    """The refusals that a level's commit would raise under use_cuda_graph=True, made up front: a level's
+    commit overwrites its captured buffers, so every level must be known to pass before the first commits."""
+    if plan.backend != "triton":
+        return
+    if level._graph_bufs is None:
+        bufs = level._allocate_graph_buffers(entry, plan)
+    else:
+        bufs = level._graph_bufs
+        if plan.static_signature() != level._graph_signature:
+            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
+                                 "page tables; heads, head dim, dtypes, page size, causal mode, window, soft cap, "
+                                 "sm_scale and positional encoding must stay as first planned.")
+        if level._graph_q_rows is not None and plan.total_q > level._graph_q_rows:
+            policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
+                                 f"the captured q holds {level._graph_q_rows}.")
+    for name in _ARRAYS:
+        t = getattr(plan, name)
+        if t is not None and t.numel() > bufs[name].numel():
+            policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its {name} "
+                                 f"buffer, which holds {bufs[name].numel()}; give larger buffers (or workspace) "
+                                 f"at construction.")
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Attention over KV split into levels of one paged cache (FlashInfer's wrapper of the same name).
+
+    Level i has its own qo_indptr and page table: query rows qo_indptr[i][j]:qo_indptr[i][j+1] attend to
+    that level's j-th KV segment. Every level must cover the same query rows. Each level runs as a
+    `BatchPrefillWithPagedKVCacheWrapper`; `causal` applies to the last level only (as in FlashInfer),
+    where bottom-right alignment makes it equal to causal attention over the concatenated KV.
+    """
+    _entry = "MultiLevelCascadeAttentionWrapper"
+
+    def __init__(self, num_levels, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
+                 paged_kv_last_page_len_buf_arr=None, backend="auto"):
+        entry = self._entry
+        if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
+            policy.refuse(entry, f"num_levels={num_levels!r} must be a positive int.")
+        policy.check_kv_layout(entry, kv_layout)
+        policy.check_backend(entry, backend)
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            policy.refuse(entry, "float_workspace_buffer must be a torch.Tensor.")
+        buf_arrs = dict(qo_indptr_buf_arr=qo_indptr_buf_arr, paged_kv_indptr_buf_arr=paged_kv_indptr_buf_arr,
+                        paged_kv_indices_buf_arr=paged_kv_indices_buf_arr,
+                        paged_kv_last_page_len_buf_arr=paged_kv_last_page_len_buf_arr)
+        for name, arr in buf_arrs.items():
+            if arr is not None and (not isinstance(arr, (list, tuple)) or len(arr) != num_levels):
+                got = f"{len(arr)} entries" if isinstance(arr, (list, tuple)) else type(arr).__name__
+                policy.refuse(entry, f"{name} has {got} for num_levels={num_levels}; pass one buffer per level.")
+        workspaces = [float_workspace_buffer] * num_levels
+        if use_cuda_graph and float_workspace_buffer.dtype == torch.uint8:
+            # Under CUDA graphs a level keeps its work list in its workspace: one shared buffer would let the
+            # levels overwrite each other's, so each gets its own 256-byte aligned slice.
+            chunk = float_workspace_buffer.numel() // num_levels // 256 * 256
+            workspaces = [float_workspace_buffer[i * chunk:(i + 1) * chunk] for i in range(num_levels)]
+        self._levels = [
+            BatchPrefillWithPagedKVCacheWrapper(
+                workspaces[i], kv_layout, use_cuda_graph,
+                **{key: None if arr is None else arr[i] for key, arr in zip(
+                    ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf"),
+                    buf_arrs.values())},
+                backend=backend)
+            for i in range(num_levels)]
+        self._num_levels = num_levels
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = use_cuda_graph
+        self._backend_request = backend
+        self._device = float_workspace_buffer.device
+        self._planned = False
+        # Plan-time intermediates (a level's out/lse, the merged lse when the caller keeps none), so that
+        # run() allocates nothing when given out/lse, and a captured graph keeps reading the same memory.
+        self._level_out: Optional[torch.Tensor] = None
+        self._level_lse: Optional[torch.Tensor] = None
+        self._merged_lse: Optional[torch.Tensor] = None
+        self._total_q = 0
+        self.backend = None
+        self.backend_fallback_reason = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE",
+             use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
+             rope_theta=None, q_data_type="float16", kv_data_type=None):
+        """One plan for all levels: the four *_arr arguments are lists with one tensor per level. Every
+        level is validated before any is installed; a plan() that raises leaves the previous plan running."""
+        entry = self._entry + ".plan"
+        arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
+        for name, arr in zip(_LEVEL_ARRAYS, arrays):
+            if not isinstance(arr, (list, tuple)) or len(arr) != self._num_levels:
+                got = f"{len(arr)} entries" if isinstance(arr, (list, tuple)) else f"a {type(arr).__name__}"
+                policy.refuse(entry, f"{name} has {got} but the wrapper was built with num_levels="
+                                     f"{self._num_levels}; pass a list with one tensor per level.")
+        # Every level is validated (and its schedule built) before any level is installed.
+        last = self._num_levels - 1
+        plans = [make_plan(
+            f"{entry} (level {i})", paged=True, qo_indptr=qo_indptr_arr[i], kv_indptr=paged_kv_indptr_arr[i],
+            kv_indices=paged_kv_indices_arr[i], last_page_len=paged_kv_last_page_len[i], page_size=page_size,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_vo=None,
+            custom_mask=None, packed_custom_mask=None, causal=bool(causal) and i == last,
+            pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=None, device=level.device,
+            backend=self._backend_request, graph_tiles=self._use_cuda_graph)
+            for i, level in enumerate(self._levels)]
+        total_q = plans[0].total_q
+        for i, plan in enumerate(plans):
+            if plan.total_q != total_q:
+                policy.refuse(entry, f"qo_indptr_arr[{i}][-1]={plan.total_q} but qo_indptr_arr[0][-1]={total_q}; "
+                                     f"every level must cover the same query rows.")
+        if self._use_cuda_graph:
+            for i, (level, plan) in enumerate(zip(self._levels, plans)):
+                _check_graph_install(f"{entry} (level {i})", level, plan)
+        scratch = self._scratch_for(entry, plans[-1])
+        # Nothing below raises: install every level, then the intermediates.
+        for level, plan in zip(self._levels, plans):
+            level._commit(plan)
+        self._level_out, self._level_lse, self._merged_lse = scratch
+        self._total_q = total_q
+        self._planned = True
+        self.backend = self._levels[-1].backend
+        self.backend_fallback_reason = self._levels[-1].backend_fallback_reason
+
+    def _scratch_for(self, entry: str, plan):
+        """(level out, level lse, merged lse) for this plan: the current ones when they fit, else new."""
+        if self._num_levels == 1:
+            return None, None, None
+        shape = (plan.total_q, plan.num_qo_heads, plan.head_dim)
+        current = self._level_out
+        if current is not None and current.shape[0] >= shape[0] and current.shape[1:] == shape[1:] \
+                and current.dtype == plan.o_dtype and current.device == plan.device:
+            return self._level_out, self._level_lse, self._merged_lse
+        if self._use_cuda_graph and current is not None:
+            policy.refuse(entry, f"under use_cuda_graph=True the re-plan needs intermediates of shape {shape} "
+                                 f"({plan.o_dtype}) but the first plan sized them {tuple(current.shape)} "
+                                 f"({current.dtype}); plan the largest batch first.")
+        return (torch.empty(shape, dtype=plan.o_dtype, device=plan.device),
+                torch.empty(shape[:2], dtype=torch.float32, device=plan.device),
+                torch.empty(shape[:2], dtype=torch.float32, device=plan.device))
+
+    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse=False):
+        """q `[total_q, num_qo_heads, head_dim]` -> out (and the base-2 lse with return_lse=True)."""
+        entry = self._entry + ".run"
+        if not self._planned:
+            policy.refuse(entry, "run() was called before plan().")
+        k, _ = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
+        if k.dim() == 4:  # a malformed cache is refused by the first level's own checks
+            for i, level in enumerate(self._levels):
+                if level._plan.max_page >= k.shape[0]:
+                    policy.refuse(entry, f"paged_kv_indices_arr[{i}] refers to page {level._plan.max_page}, "
+                                         f"beyond the cache's {k.shape[0]} pages.")
+        last = self._levels[-1]
+        if self._num_levels == 1:
+            return last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse)
+        rows = self._total_q
+        if lse is None:  # a returned lse is the caller's to keep: only an unreturned one lives in scratch
+            lse = self._merged_lse[:rows] if not return_lse else None
+        # The last level's own checks (q, cache, out, lse) hold for every level: they all run before any
+        # launch, and the other levels differ only in page tables, checked above.
+        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
+        level_out, level_lse = self._level_out[:rows], self._level_lse[:rows]
+        for level in self._levels[:-1]:  # fixed order: levels 0, 1, ... merged into the last level's state
+            level.run(q, paged_kv_cache, out=level_out, lse=level_lse, return_lse=True)
+            _merge_two(self.backend, out, lse, level_out, level_lse, out, lse)
+        return (out, lse) if return_lse else out
+
+    # FlashInfer spells run() also as forward() in older releases.
+    def forward(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
