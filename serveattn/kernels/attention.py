@@ -30,6 +30,27 @@ def _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_p, stride_s, stride_h,
 
 
 @triton.jit
+def _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """(first page or token, kv_len) of request req, from the page table (or ragged indptr)."""
+    kv_base = tl.load(kv_indptr + req)
+    if PAGED:
+        num_pages = tl.load(kv_indptr + req + 1) - kv_base
+        kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len + req), 0)
+    else:
+        kv_len = tl.load(kv_indptr + req + 1) - kv_base
+    return kv_base, kv_len
+
+
+@triton.jit
+def _finish(acc, l_i, m_i, v_scale):
+    """Normalised output and base-2 LSE; rows that saw no key give 0 and -inf."""
+    empty = l_i == 0.0
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    return out, lse
+
+
+@triton.jit
 def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
     """cos/sin [len(pos), HALF] of LLaMA RoPE angles pos * rcp_scale * theta^(-2i/D)."""
     i = tl.arange(0, HALF).to(tl.float32)
@@ -129,12 +150,7 @@ def prefill_kernel(
         tile = tl.load(work + 2 * w + 1)
         q_start = tl.load(qo_indptr + req)
         qo_len = tl.load(qo_indptr + req + 1) - q_start
-        kv_base = tl.load(kv_indptr + req)
-        if PAGED:
-            num_pages = tl.load(kv_indptr + req + 1) - kv_base
-            kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len + req), 0)
-        else:
-            kv_len = tl.load(kv_indptr + req + 1) - kv_base
+        kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
         delta = kv_len - qo_len  # bottom-right alignment: row r sits at key position delta + r
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -206,14 +222,11 @@ def prefill_kernel(
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
                 HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
 
-        # Rows that saw no key: output 0 and lse -inf.
-        empty = l_i == 0.0
-        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+        out, lse = _finish(acc, l_i, m_i, v_scale)
         o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         dv = tl.arange(0, HEAD_DIM)
         tl.store(O + o_row[:, None] + dv[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
         if RETURN_LSE:
-            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
             l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
             tl.store(LSE + l_row, lse, mask=row_ok)
 

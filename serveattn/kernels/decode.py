@@ -9,7 +9,7 @@ result is the same bits on every run.
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _present, kv_strides
+from .attention import LOG2E, _attend, _finish, _present, _request_kv, kv_strides
 from .common import to_dtype
 
 
@@ -36,12 +36,7 @@ def decode_kernel(
         lo = tl.load(work + 4 * w + 1)
         hi = tl.load(work + 4 * w + 2)
         slot = tl.load(work + 4 * w + 3)  # -1: the request is not split, write the output directly
-        kv_base = tl.load(kv_indptr + req)
-        if PAGED:
-            num_pages = tl.load(kv_indptr + req + 1) - kv_base
-            kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len + req), 0)
-        else:
-            kv_len = tl.load(kv_indptr + req + 1) - kv_base
+        kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
         hi = tl.minimum(hi, kv_len)
         delta = kv_len - 1  # the query sits at the last position
         if HAS_WINDOW:
@@ -60,9 +55,7 @@ def decode_kernel(
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, False, False, HAS_WINDOW, SOFT_CAP, False,
                 KV_SAME_STRIDES)
 
-        empty = l_i == 0.0
-        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        out, lse = _finish(acc, l_i, m_i, v_scale)
         if slot >= 0:
             p_row = (slot.to(tl.int64) * NUM_QO_HEADS + head) * HEAD_DIM
             tl.store(PART_O + p_row[:, None] + d[None, :], out, mask=row_ok[:, None])
@@ -106,12 +99,10 @@ def merge_kernel(
             acc = acc * scale_old[:, None] + part * w[:, None]
             total = total * scale_old + w
             m = m_new
-        empty = total == 0.0
-        out = acc / tl.where(empty, 1.0, total)[:, None]
+        out, lse = _finish(acc, total, m, 1.0)
         o_row = req.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
         tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
         if RETURN_LSE:
-            lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
             tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
