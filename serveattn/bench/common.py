@@ -1,4 +1,6 @@
-"""What every benchmark family shares: the CUDA check, timing, ceilings, floors, tables, progress, JSON.
+"""What every benchmark family shares: the CUDA check, timing, ceilings, floors, the runners (prepared calls, the
+poisoned check, SDPA / FlexAttention / FlashInfer plumbing), the per-case prepare-check-time loop, tables, progress,
+JSON. A family module keeps its shapes, inputs, our wrappers and its own tables.
 
 Nothing here touches CUDA or imports Triton at import time, so ``python -m serveattn.bench --help``
 works on a machine without a GPU.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -279,6 +282,308 @@ def summarize_passes(ms_runs: List[float]) -> dict:
     return {"ms": mean, "ms_runs": ms_runs, "spread": spread}
 
 
+# ---------------------------------------------------------------- runners
+
+#: How the peer cells state the ratio; the same in every family's tables and JSON.
+RATIO_NOTE = "ratio = peer time / our time (above 1: ours is faster)"
+
+
+def identity(out, meta):
+    return out
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A runner ready to time: one call per input set, how to compare its output, what to say about it."""
+
+    fns: List[Callable[[], object]]
+    note: str = ""
+    normalize: Callable = identity  # (output, meta) -> the layout of the family's reference
+    poisoned: Optional[Callable[[], object]] = None  # a call on set 0 whose every output element is checked
+    keep: object = None  # what the calls need alive (wrappers, workspaces, graphs, static outputs)
+    #: ``poisoned`` passes ``out=`` (``poisoned_call``): a TypeError naming ``out`` from it means that ``run`` refused
+    #: the keyword, and the check falls back to ``fns[0]``. False where ``poisoned`` is something else (a graph replay).
+    poisoned_passes_out: bool = True
+
+
+def first(out):
+    """The output tensor of a call that returns it alone or first in a tuple (``return_lse``)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def poisoned_call(run, args, like):
+    """A call that passes ``out=`` filled with NaN, so an unwritten element shows as a failed check."""
+    import torch
+
+    def call():
+        out = torch.full_like(like, float("nan"))
+        res = first(run(*args, out=out))
+        return res if res is not None else out
+
+    return call
+
+
+def workspace(nbytes: int, device):
+    """A uint8 workspace buffer of ``nbytes`` on ``device`` for a wrapper."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def sdpa_call(backend, q, k, v, gqa: bool, causal: bool):
+    """torch SDPA restricted to ``backend``; ``is_causal=True`` only when ``causal`` (a decode query sees every key)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    kwargs = {"is_causal": True} if causal else {}
+    with sdpa_kernel(backend):
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_fns(backend_name: str, sets, group: int, causal: bool):
+    """One SDPA call per input set on its contiguous ``qb``, ``kb``, ``vb``: with ``enable_gqa=True`` when set 0's call
+    takes it, else with K/V repeated ``group`` times along the heads (outside the timing).
+
+    Returns ``(fns, refused)``: ``refused`` is None, or the exception with which the backend refused GQA.
+    """
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    backend = getattr(SDPBackend, backend_name)
+    s0 = sets[0]
+    try:
+        sdpa_call(backend, s0.qb, s0.kb, s0.vb, True, causal)
+        torch.cuda.synchronize()
+        return [functools.partial(sdpa_call, backend, s.qb, s.kb, s.vb, True, causal) for s in sets], None
+    except Exception as exc:  # noqa: BLE001 - the backend refused GQA: repeat K/V outside the timing
+        fns = []
+        for s in sets:
+            kr = s.kb.repeat_interleave(group, dim=1).contiguous()
+            vr = s.vb.repeat_interleave(group, dim=1).contiguous()
+            fns.append(functools.partial(sdpa_call, backend, s.qb, kr, vr, False, causal))
+        return fns, exc
+
+
+def sdpa_reference(prepare_sdpa: Callable, meta, s0):
+    """SDPA output on input set 0 in the family's reference layout (``Prepared.normalize``), and what computed it:
+    the flash backend, else memory-efficient, else cuDNN. ``prepare_sdpa(backend_name, meta, sets)`` is the
+    family's SDPA runner."""
+    import torch
+
+    errors = []
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        try:
+            prep = prepare_sdpa(name, meta, [s0])
+            out = prep.fns[0]()
+            torch.cuda.synchronize()
+            return prep.normalize(out, meta).clone(), f"torch SDPA {name.lower()} ({prep.note})"
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{name}: {one_line(exc, 100)}")
+    raise RuntimeError("no SDPA backend could compute the reference: " + "; ".join(errors))
+
+
+_FLEX: Dict[str, object] = {}
+
+
+def compiled_flex(owner: str, recompile_limit: Optional[int] = None):
+    """``torch.compile(flex_attention, dynamic=False)``, compiled once per ``owner`` (a family) per process.
+
+    ``recompile_limit``: when this owner compiles, raise dynamo's recompile limit to at least this (past it,
+    flex_attention would silently run uncompiled).
+    """
+    if owner not in _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if recompile_limit is not None:
+            import torch._dynamo
+
+            cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            if getattr(cfg, name, recompile_limit) < recompile_limit:
+                setattr(cfg, name, recompile_limit)
+        _FLEX[owner] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX[owner]
+
+
+# ---------------------------------------------------------------- the run
+
+def split_list(text: str) -> List[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def case_names(args, workloads, quick_workloads) -> List[str]:
+    """``--cases`` as a list, else the family's workloads (its quick ones with ``--quick``); not validated."""
+    cases = getattr(args, "cases", None)
+    if cases:
+        return split_list(cases)
+    return list(quick_workloads) if bool(getattr(args, "quick", False)) else list(workloads)
+
+
+def select_peers(args, family: str, peer_keys: Sequence[str]) -> List[str]:
+    """``--peers`` (default: all, 'none': none) as a list in the family's order; exits with a sentence on a bad one."""
+    peers = (getattr(args, "peers", None) or ",".join(peer_keys)).strip()
+    names = [] if peers == "none" else split_list(peers)
+    bad = [p for p in names if p not in peer_keys]
+    if bad:
+        raise SystemExit(f"{family}: unknown peer(s) {bad}; choose from {list(peer_keys)} or 'none'.")
+    return [k for k in peer_keys if k in names]
+
+
+@dataclasses.dataclass
+class Timing:
+    """The timing options of a run, defaults filled in (``--quick`` has shorter ones)."""
+
+    warmup_ms: float
+    rep_ms: float
+    passes: int
+    sets: int
+
+    @classmethod
+    def from_args(cls, args) -> "Timing":
+        quick = bool(getattr(args, "quick", False))
+        return cls(warmup_ms=args.warmup_ms if args.warmup_ms is not None else (10 if quick else 25),
+                   rep_ms=args.rep_ms if args.rep_ms is not None else (40 if quick else 100),
+                   passes=args.passes if args.passes is not None else (1 if quick else 2),
+                   sets=args.sets if args.sets is not None else (1 if quick else 2))
+
+
+def new_result(family: str, config: dict, flops_formula: str, bytes_formula: str) -> dict:
+    """A family's result before its cases run (the JSON keys every family has)."""
+    return {"family": family, "ok": True, "config": config, "flops_formula": flops_formula,
+            "bytes_formula": bytes_formula, "ratio": RATIO_NOTE, "cases": []}
+
+
+def run_cases(family: str, result: dict, names: Sequence[str], n_runners: int, passes: int,
+              run_case: Callable, checkpoint: Callable[[dict], None]) -> None:
+    """``run_case(name, index, bar) -> case`` for each workload under one progress bar; appends each case to
+    ``result["cases"]``, folds its ``ours_ok`` into ``result["ok"]`` and checkpoints after each."""
+    import torch
+
+    bar = Progress(len(names) * n_runners * (1 + passes), family)
+    try:
+        for wi, name in enumerate(names):
+            case = run_case(name, wi, bar)
+            result["cases"].append(case)
+            result["ok"] = result["ok"] and case["ours_ok"]
+            checkpoint(result)
+            torch.cuda.empty_cache()
+    finally:
+        bar.close()
+
+
+def case_reference(case: dict, reference: Callable, meta, s0):
+    """The reference output on set 0 (None when it cannot be had); sets ``case["reference"]`` to what it is."""
+    try:
+        ref, case["reference"] = reference(meta, s0)
+    except Exception as exc:  # noqa: BLE001
+        ref, case["reference"] = None, f"none ({one_line(exc)})"
+    return ref
+
+
+def spread_note(r: dict) -> str:
+    """' (spread 1.2%)' for a progress line, or '' with one pass."""
+    return f" (spread {100 * r['spread']:.1f}%)" if r.get("spread") is not None else ""
+
+
+def run_runners(case: dict, runners: Sequence[str], prepare: Callable[[str], Prepared], *, titles: dict,
+                our_keys: Sequence[str], meta, ref, tol: float, timing: Timing, bar: Progress,
+                first_call_label: str, measure: Callable[[str, dict, List[float]], str],
+                back_to_back: bool = False) -> None:
+    """Prepares, checks and times every runner of one case, filling ``case["runners"]`` and ``case["ours_ok"]``.
+
+    Each runner: ``prepare(key)``, a first call (compilation, JIT, autotuning; the poisoned one where there is one)
+    whose output is checked against ``ref`` (relative norm below ``tol``), a warm-up call on every other input set.
+    A runner that fails or is wrong is a row in the tables, never a crash, and is not timed. Then ``timing.passes``
+    passes, each timing every ready runner in turn (``bench_ms``, and ``back_to_back_ms`` when ``back_to_back``),
+    so that drift shows as spread. Last, for each timed runner, ``summarize_passes`` and
+    ``measure(key, r, back_to_back_runs)``, which adds the family's metrics to ``r`` and returns the rest of its
+    progress line.
+    """
+    import torch
+
+    name = case["name"]
+    ready = {}
+    for key in runners:
+        ours = key in our_keys
+        r = {"title": titles[key], "ours": ours, "status": "ok", "reason": None, "note": "",
+             "err": None, "first_call_s": None}
+        bar.status(f"{name} {key}: prepare")
+        prep = None
+        try:
+            t0 = time.perf_counter()
+            prep = prepare(key)
+            r["note"] = prep.note
+            try:  # warm-up (compile, JIT, autotune) and the output for the check, outside the timing
+                out, _ = timed_first_call(prep.poisoned or prep.fns[0])
+            except TypeError as exc:
+                if prep.poisoned is None or not prep.poisoned_passes_out or "out" not in str(exc):
+                    raise
+                out, _ = timed_first_call(prep.fns[0])
+                prep.note += f"; run(out=...) refused ({one_line(exc, 80)}), unwritten elements not checked"
+                r["note"] = prep.note
+            r["first_call_s"] = time.perf_counter() - t0
+            if ref is not None:
+                r["err"] = rel_err(prep.normalize(first(out), meta), ref)
+                if not (r["err"] < tol):
+                    r["status"] = "wrong"
+                    r["reason"] = (f"relative error {r['err']:.3g} against {case['reference'].split(' (')[0]} "
+                                   f"(tolerance {tol}; NaN means an unwritten or non-finite output)")
+            elif ours:
+                r["status"] = "unchecked"
+                r["reason"] = f"no reference: {case['reference']}"
+            del out
+            for fn in prep.fns[1:]:
+                fn()
+            torch.cuda.synchronize()
+            if r["status"] in ("ok", "unchecked"):
+                ready[key] = prep
+        except Exception as exc:  # noqa: BLE001 - a failing runner is a line in the table, never a crash
+            r["status"] = "failed"
+            r["reason"] = one_line(exc)
+        del prep
+        if ours and r["status"] != "ok":
+            case["ours_ok"] = False
+        case["runners"][key] = r
+        msg = f"[{name}] {key}: {r['status']}"
+        if r["err"] is not None:
+            msg += f", err {r['err']:.2e}"
+        if r["first_call_s"] is not None:
+            msg += f", {first_call_label} {r['first_call_s']:.1f} s"
+        if r["reason"]:
+            msg += f" - {r['reason']}"
+        bar.log(msg)
+        bar.update(1)
+
+    runs = {k: [] for k in runners}
+    b2b = {k: [] for k in runners}
+    for p in range(timing.passes):  # passes interleave the runners, so drift shows up as spread
+        for key in runners:
+            bar.status(f"{name} {key}: pass {p + 1}/{timing.passes}")
+            if key in ready:
+                try:
+                    fn = rotating(ready[key].fns)
+                    runs[key].append(bench_ms(fn, timing.warmup_ms, timing.rep_ms))
+                    if back_to_back:
+                        b2b[key].append(back_to_back_ms(fn, timing.warmup_ms, timing.rep_ms))
+                except Exception as exc:  # noqa: BLE001
+                    r = case["runners"][key]
+                    r["status"], r["reason"] = "failed", f"while timing: {one_line(exc)}"
+                    ready.pop(key)
+                    if r["ours"]:
+                        case["ours_ok"] = False
+            bar.update(1)
+
+    for key in runners:
+        r = case["runners"][key]
+        if r["status"] in ("ok", "unchecked") and runs[key]:
+            r.update(summarize_passes(runs[key]))
+            bar.log(f"[{name}] {key}: " + measure(key, r, b2b[key]))
+
+
 # ---------------------------------------------------------------- text
 
 def one_line(exc: BaseException, limit: int = 200) -> str:
@@ -303,6 +608,57 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
              "| " + " | ".join("---" for _ in headers) + " |"]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def spread_cell(o: dict) -> str:
+    """The 'spread' cell of a table: '1.2%', or '-' with one pass."""
+    return fmt(100 * o["spread"], ".1f") + "%" if o.get("spread") is not None else "-"
+
+
+def peer_cell(ours: dict, peer: dict, metric: Callable[[dict], str]) -> str:
+    """A peer's cell in the row of one of our runners: ``metric(peer)`` and the ratio of its time to ours, or why
+    it has no time."""
+    if peer["status"] not in ("ok", "unchecked") or peer.get("ms") is None:
+        reason = peer["reason"] or ""
+        return f"{peer['status']}: {reason if len(reason) <= 70 else reason[:67] + '...'}"
+    cell = metric(peer)
+    if ours.get("ms"):
+        cell += f", {peer['ms'] / ours['ms']:.2f}x"
+    if "repeated" in peer.get("note", ""):
+        cell += " (K/V repeated)"
+    return cell
+
+
+def ours_rows(cases: Sequence[dict], our_keys: Sequence[str], peers: Sequence[str], ok_cells: Callable[[dict], list],
+              width: int, metric: Callable[[dict], str]) -> list:
+    """The rows of 'serveattn against the peers': per case and our runner, the case, the runner, ``width`` cells of
+    its own (``ok_cells(o)`` when timed, else the status and reason, dashes, and 'err' as the fifth), then a
+    ``peer_cell`` per peer."""
+    rows = []
+    for c in cases:
+        for key in our_keys:
+            o = c["runners"].get(key)
+            if o is None:
+                continue
+            ok = o["status"] in ("ok", "unchecked") and o.get("ms") is not None
+            row = [c["name"], key]
+            if ok:
+                row += ok_cells(o)
+            else:
+                row += [f"{o['status'].upper()}: {o['reason']}", "-", "-", "-", fmt(o["err"], ".1e")]
+                row += ["-"] * (width - 5)
+            row += [peer_cell(o if ok else {}, c["runners"][p], metric) for p in peers]
+            rows.append(row)
+    return rows
+
+
+def report_footer(result: dict, tol: float) -> List[str]:
+    """The last lines of a family's report: the references, the tolerance, and a warning if ours failed."""
+    refs = sorted({c.get("reference", "") for c in result["cases"]})
+    lines = [f"reference for 'err': {'; '.join(refs)}; tolerance {tol} (relative norm)."]
+    if not result["ok"]:
+        lines += ["", "**serveattn failed or was wrong in at least one case: see the rows above.**"]
+    return lines
 
 
 class Progress:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import time
 from typing import Callable, List, Optional
 
 from . import common
@@ -61,7 +60,6 @@ TARGET_PEERS_ALL = ("fi-cc", "fi-tc", "fi-cc-graph", "fi-tc-graph", "cudnn")
 BYTES_FORMULA = ("K/V bytes = 2 * batch * kv_len * Hkv * D * 2 (bf16; an fp8 cache reads half); q, o and the "
                  "page table (under 0.2% here) are not counted")
 FLOPS_FORMULA = "flops = 4 * batch * kv_len * Hq * D (q.k and p.v); decode is memory-bound at every case here"
-RATIO_NOTE = "ratio = peer time / our time (above 1: ours is faster)"
 
 #: (key, title) of our runners and of the peers, in the order they run and appear in the tables.
 OURS = (("cc", "serveattn CUDA-core, eager"), ("cc-graph", "serveattn CUDA-core, CUDA graph"),
@@ -180,46 +178,9 @@ def work(batch: int, kv_len: int) -> tuple:
 
 # ---------------------------------------------------------------- runners
 
-def _identity(out, meta):
-    return out
-
-
 def _squeeze_bh1d(out, meta):
     """[B, Hq, 1, D] -> [B, Hq, D]."""
     return out.reshape(meta.batch, HQ, HEAD_DIM)
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A runner ready to time: one call per input set, how to compare its output, what to say about it."""
-
-    fns: List[Callable[[], object]]
-    note: str = ""
-    normalize: Callable = _identity
-    poisoned: Optional[Callable[[], object]] = None  # a call on set 0 whose every output element is checked
-    keep: object = None  # what the calls need alive (wrappers, workspaces, graphs, static outputs)
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _poisoned_call(run, args, like):
-    """A call that passes ``out=`` filled with NaN, so an unwritten element shows as a failed check."""
-    import torch
-
-    def call():
-        out = torch.full_like(like, float("nan"))
-        res = _first(run(*args, out=out))
-        return res if res is not None else out
-
-    return call
-
-
-def _workspace():
-    import torch
-
-    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
 
 
 def _decode_wrapper(cls, meta: Meta, tensor_cores: bool, graph: bool):
@@ -232,7 +193,8 @@ def _decode_wrapper(cls, meta: Meta, tensor_cores: bool, graph: bool):
         kwargs = dict(paged_kv_indptr_buffer=torch.empty(meta.batch + 1, **i32),
                       paged_kv_indices_buffer=torch.empty(meta.num_pages, **i32),
                       paged_kv_last_page_len_buffer=torch.empty(meta.batch, **i32))
-    w = cls(_workspace(), "NHD", use_cuda_graph=graph, use_tensor_cores=tensor_cores, **kwargs)
+    w = cls(common.workspace(WORKSPACE_BYTES, DEVICE), "NHD", use_cuda_graph=graph, use_tensor_cores=tensor_cores,
+            **kwargs)
     w.plan(meta.indptr, meta.indices, meta.last_page_len, HQ, HKV, HEAD_DIM, PAGE_SIZE,
            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     return w
@@ -246,14 +208,15 @@ def _backend_note(w) -> str:
     return note
 
 
-def _prepare_eager(cls, tensor_cores: bool, note: str, poison: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+def _prepare_eager(cls, tensor_cores: bool, note: Callable, poison: bool, meta: Meta,
+                   sets: List[InputSet]) -> common.Prepared:
     w = _decode_wrapper(cls, meta, tensor_cores, graph=False)
     fns = [functools.partial(w.run, s.q, s.cache) for s in sets]
-    return Prepared(fns=fns, note=note(w), keep=w,
-                    poisoned=_poisoned_call(w.run, (sets[0].q, sets[0].cache), sets[0].q) if poison else None)
+    return common.Prepared(fns=fns, note=note(w), keep=w, poisoned=common.poisoned_call(
+        w.run, (sets[0].q, sets[0].cache), sets[0].q) if poison else None)
 
 
-def _prepare_graph(cls, tensor_cores: bool, note: str, meta: Meta, sets: List[InputSet]) -> Prepared:
+def _prepare_graph(cls, tensor_cores: bool, note: Callable, meta: Meta, sets: List[InputSet]) -> common.Prepared:
     """One wrapper (use_cuda_graph=True), one graph per input set, each capturing ``run(q_i, cache_i, out=o_i)``
     after a warm-up run; the timed call is ``graph.replay()``. The check fills set 0's captured output with NaN,
     replays, and compares."""
@@ -270,7 +233,7 @@ def _prepare_graph(cls, tensor_cores: bool, note: str, meta: Meta, sets: List[In
             raise
         graphs, results = common.capture_cuda_graphs([functools.partial(w.run, s.q, s.cache) for s in sets])
         how = f"run(q, cache) captured (out= refused: {common.one_line(exc, 80)})"
-    results = [_first(r) for r in results]
+    results = [common.first(r) for r in results]
     static0, graph0 = results[0], graphs[0]
 
     def poisoned():
@@ -278,11 +241,12 @@ def _prepare_graph(cls, tensor_cores: bool, note: str, meta: Meta, sets: List[In
         graph0.replay()
         return static0
 
-    return Prepared(fns=[g.replay for g in graphs], poisoned=poisoned, keep=(w, graphs, results, outs),
-                    note=f"{note(w)}; {how}, one graph per input set, timed: graph.replay()")
+    return common.Prepared(fns=[g.replay for g in graphs], poisoned=poisoned, poisoned_passes_out=False,
+                           keep=(w, graphs, results, outs),
+                           note=f"{note(w)}; {how}, one graph per input set, timed: graph.replay()")
 
 
-def prepare_ours(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_ours(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import serveattn
 
     cls = getattr(serveattn, "BatchDecodeWithPagedKVCacheWrapper", None)
@@ -293,7 +257,7 @@ def prepare_ours(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSe
     return _prepare_eager(cls, tensor_cores, _backend_note, True, meta, sets)
 
 
-def prepare_flashinfer(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_flashinfer(tensor_cores: bool, graph: bool, meta: Meta, sets: List[InputSet]) -> common.Prepared:
     fi = common.import_flashinfer()
 
     def note(w):
@@ -305,61 +269,27 @@ def prepare_flashinfer(tensor_cores: bool, graph: bool, meta: Meta, sets: List[I
     return _prepare_eager(fi.BatchDecodeWithPagedKVCacheWrapper, tensor_cores, note, False, meta, sets)
 
 
-def _sdpa_call(backend, q, k, v, gqa: bool):
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel(backend):  # no causal mask: the one decode query sees every key
-        if gqa:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v)
-
-
-def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> Prepared:
-    """SDPA on contiguous [B, H, S, D] K/V, q [B, Hq, 1, D]; enable_gqa=True, or K/V repeated if refused."""
-    import torch
-    from torch.nn.attention import SDPBackend
-
-    backend = getattr(SDPBackend, backend_name)
-    s0 = sets[0]
-    try:
-        _sdpa_call(backend, s0.qb, s0.kb, s0.vb, True)
-        torch.cuda.synchronize()
-        fns = [functools.partial(_sdpa_call, backend, s.qb, s.kb, s.vb, True) for s in sets]
+def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> common.Prepared:
+    """SDPA on contiguous [B, H, S, D] K/V, q [B, Hq, 1, D], no causal mask (the one decode query sees every key);
+    enable_gqa=True, or K/V repeated if refused."""
+    fns, refused = common.sdpa_fns(backend_name, sets, HQ // HKV, causal=False)
+    if refused is None:
         note = "GQA via enable_gqa=True, contiguous [B, Hkv, S, D] K/V"
-    except Exception as exc:  # noqa: BLE001 - the backend refused GQA: repeat K/V outside the timing
-        g = HQ // HKV
-        fns = []
-        for s in sets:
-            kr = s.kb.repeat_interleave(g, dim=1).contiguous()
-            vr = s.vb.repeat_interleave(g, dim=1).contiguous()
-            fns.append(functools.partial(_sdpa_call, backend, s.qb, kr, vr, False))
-        note = (f"K/V repeated to {HQ} heads, so it reads {g}x the bytes counted "
-                f"(enable_gqa refused: {common.one_line(exc, 120)})")
-    return Prepared(fns=fns, note=note, normalize=_squeeze_bh1d)
+    else:
+        note = (f"K/V repeated to {HQ} heads, so it reads {HQ // HKV}x the bytes counted "
+                f"(enable_gqa refused: {common.one_line(refused, 120)})")
+    return common.Prepared(fns=fns, note=note, normalize=_squeeze_bh1d)
 
 
-_FLEX = {}
-
-
-def prepare_flex(meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_flex(meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
-    from torch.nn.attention.flex_attention import flex_attention
 
-    if "fn" not in _FLEX:
-        # Six decode shapes plus prefill's in one process exceed dynamo's default recompile limit (8), past
-        # which flex_attention would silently run uncompiled; raise it for this process.
-        import torch._dynamo
-
-        cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        if getattr(cfg, name, 64) < 64:
-            setattr(cfg, name, 64)
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    flex = _FLEX["fn"]
+    # Six decode shapes plus prefill's in one process exceed dynamo's default recompile limit (8), past which
+    # flex_attention would silently run uncompiled; raise it for this process.
+    flex = common.compiled_flex(NAME, recompile_limit=64)
     fns = [functools.partial(flex, x.qb, x.kb, x.vb, enable_gqa=True) for x in sets]
-    return Prepared(fns=fns, note=f"torch.compile(flex_attention), no block mask, enable_gqa=True, "
-                                  f"torch {torch.__version__}", normalize=_squeeze_bh1d)
+    return common.Prepared(fns=fns, note=f"torch.compile(flex_attention), no block mask, enable_gqa=True, "
+                                         f"torch {torch.__version__}", normalize=_squeeze_bh1d)
 
 
 PREPARE = {
@@ -379,192 +309,77 @@ PREPARE = {
 
 def reference(meta: Meta, s0: InputSet):
     """SDPA output on set 0 as [B, Hq, D]: the flash backend, else memory-efficient, else cuDNN."""
-    import torch
-
-    errors = []
-    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        try:
-            prep = prepare_sdpa(name, meta, [s0])
-            out = prep.fns[0]()
-            torch.cuda.synchronize()
-            return _squeeze_bh1d(out, meta).clone(), f"torch SDPA {name.lower()} ({prep.note})"
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"{name}: {common.one_line(exc, 100)}")
-    raise RuntimeError("no SDPA backend could compute the reference: " + "; ".join(errors))
+    return common.sdpa_reference(prepare_sdpa, meta, s0)
 
 
 # ---------------------------------------------------------------- the run
 
-def _split(text):
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def _selected(args):
-    quick = bool(getattr(args, "quick", False))
-    cases = getattr(args, "cases", None)
-    names = _split(cases) if cases else (list(QUICK_WORKLOADS) if quick else list(WORKLOADS))
+    names = common.case_names(args, WORKLOADS, QUICK_WORKLOADS)
     for n in names:
         parse_case(n)
-    peers = (getattr(args, "peers", None) or ",".join(PEER_KEYS)).strip()
-    peer_names = [] if peers == "none" else _split(peers)
-    bad = [p for p in peer_names if p not in PEER_KEYS]
-    if bad:
-        raise SystemExit(f"decode: unknown peer(s) {bad}; choose from {list(PEER_KEYS)} or 'none'.")
-    ours = _split(getattr(args, "ours", None) or ",".join(OUR_KEYS))
+    peers = common.select_peers(args, NAME, PEER_KEYS)
+    ours = common.split_list(getattr(args, "ours", None) or ",".join(OUR_KEYS))
     bad = [k for k in ours if k not in OUR_KEYS]
     if bad or not ours:
         raise SystemExit(f"decode: unknown serveattn variant(s) {bad or ours}; choose from {list(OUR_KEYS)}.")
-    return names, [k for k in OUR_KEYS if k in ours], [k for k in PEER_KEYS if k in peer_names]
+    return names, [k for k in OUR_KEYS if k in ours], peers
 
 
 def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = lambda r: None) -> dict:
     """Runs the selected workloads; returns the family's result (``ok``, ``cases``, ``report``)."""
-    import torch
-
     common.require_cuda()
     names, ours, peers = _selected(args)
-    quick = bool(getattr(args, "quick", False))
-    warmup_ms = args.warmup_ms if args.warmup_ms is not None else (10 if quick else 25)
-    rep_ms = args.rep_ms if args.rep_ms is not None else (40 if quick else 100)
-    passes = args.passes if args.passes is not None else (1 if quick else 2)
-    min_sets = args.sets if args.sets is not None else (1 if quick else 2)
+    timing = common.Timing.from_args(args)  # timing.sets: the least number of input sets
     l2_multiple = getattr(args, "l2_multiple", None)
     l2_multiple = L2_MULTIPLE if l2_multiple is None else l2_multiple
     l2 = common.l2_cache_bytes()
 
     runners = ours + peers
     titles = dict(OURS + PEERS)
-    result = {
-        "family": NAME, "ok": True,
-        "config": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
-                   "dtype": "bfloat16", "kv_layout": "NHD", "page_table": "shuffled (torch.randperm)",
-                   "warmup_ms": warmup_ms, "rep_ms": rep_ms, "passes": passes, "min_input_sets": min_sets,
-                   "l2_bytes": l2, "l2_multiple": l2_multiple, "max_sets": MAX_SETS, "tolerance": TOL,
-                   "ours": ours, "peers": peers,
-                   "workloads": {n: parse_case(n) for n in names}, "targets_tbps": TARGET_TBPS,
-                   "target_peers": {"eager": TARGET_PEERS_EAGER, "all": TARGET_PEERS_ALL}},
-        "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA, "ratio": RATIO_NOTE,
-        "cases": [],
-    }
-    bar = common.Progress(len(names) * len(runners) * (1 + passes), NAME)
-    try:
-        for wi, name in enumerate(names):
-            case = _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, min_sets, l2,
-                             l2_multiple, bar, wi)
-            result["cases"].append(case)
-            result["ok"] = result["ok"] and case["ours_ok"]
-            checkpoint(result)
-            torch.cuda.empty_cache()
-    finally:
-        bar.close()
+    result = common.new_result(NAME, {
+        "num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
+        "dtype": "bfloat16", "kv_layout": "NHD", "page_table": "shuffled (torch.randperm)",
+        "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "passes": timing.passes,
+        "min_input_sets": timing.sets, "l2_bytes": l2, "l2_multiple": l2_multiple, "max_sets": MAX_SETS,
+        "tolerance": TOL, "ours": ours, "peers": peers,
+        "workloads": {n: parse_case(n) for n in names}, "targets_tbps": TARGET_TBPS,
+        "target_peers": {"eager": TARGET_PEERS_EAGER, "all": TARGET_PEERS_ALL}}, FLOPS_FORMULA, BYTES_FORMULA)
+    common.run_cases(NAME, result, names, len(runners), timing.passes,
+                     functools.partial(_run_case, runners=runners, titles=titles, ceilings=ceilings, timing=timing,
+                                       l2=l2, l2_multiple=l2_multiple),
+                     checkpoint)
     result["targets"] = targets(result)
     result["report"] = report(result, ceilings)
     return result
 
 
-def _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, min_sets, l2, l2_multiple,
-              bar, wi) -> dict:
-    import torch
-
+def _run_case(name, wi, bar, *, runners, titles, ceilings, timing, l2, l2_multiple) -> dict:
     batch, kv_len = parse_case(name)
     flops, nbytes = work(batch, kv_len)
-    n_sets = common.rotation_sets(nbytes, min_sets, l2, l2_multiple, MAX_SETS)
+    n_sets = common.rotation_sets(nbytes, timing.sets, l2, l2_multiple, MAX_SETS)
     meta = build_meta(batch, kv_len, seed=wi)
     sets = [build_inputs(meta, seed=100 * wi + i) for i in range(n_sets)]
     case = {"name": name, "batch": batch, "kv_len": kv_len, "num_pages": meta.num_pages,
             **common.floors(flops, nbytes, ceilings, "bf16"),
             "input_sets": n_sets, "rotation_bytes": n_sets * nbytes, "runners": {}, "ours_ok": True}
-    try:
-        ref, case["reference"] = reference(meta, sets[0])
-    except Exception as exc:  # noqa: BLE001
-        ref, case["reference"] = None, f"none ({common.one_line(exc)})"
+    ref = common.case_reference(case, reference, meta, sets[0])
     bar.log(f"[{name}] batch {batch} x kv {kv_len}, {meta.num_pages} pages, K/V {nbytes / 1e6:.1f} MB a set, "
             f"{n_sets} input set(s) rotated ({n_sets * nbytes / 1e6:.0f} MB, L2 {l2 / 2 ** 20:.0f} MiB); "
             f"reference: {case['reference']}")
 
-    ready = {}
-    for key in runners:
-        ours = key in OUR_KEYS
-        r = {"title": titles[key], "ours": ours, "status": "ok", "reason": None, "note": "",
-             "err": None, "first_call_s": None}
-        bar.status(f"{name} {key}: prepare")
-        prep = None
-        try:
-            t0 = time.perf_counter()
-            prep = PREPARE[key](meta, sets)
-            r["note"] = prep.note
-            try:  # warm-up (compile, JIT, autotune) and the output for the check, outside the timing
-                out, _ = common.timed_first_call(prep.poisoned or prep.fns[0])
-            except TypeError as exc:
-                if prep.poisoned is None or "out" not in str(exc) or key.endswith("graph"):
-                    raise
-                out, _ = common.timed_first_call(prep.fns[0])
-                prep.note += f"; run(out=...) refused ({common.one_line(exc, 80)}), unwritten elements not checked"
-                r["note"] = prep.note
-            r["first_call_s"] = time.perf_counter() - t0
-            if ref is not None:
-                r["err"] = common.rel_err(prep.normalize(_first(out), meta), ref)
-                if not (r["err"] < TOL):
-                    r["status"] = "wrong"
-                    r["reason"] = (f"relative error {r['err']:.3g} against {case['reference'].split(' (')[0]} "
-                                   f"(tolerance {TOL}; NaN means an unwritten or non-finite output)")
-            elif ours:
-                r["status"] = "unchecked"
-                r["reason"] = f"no reference: {case['reference']}"
-            del out
-            for fn in prep.fns[1:]:
-                fn()
-            torch.cuda.synchronize()
-            if r["status"] in ("ok", "unchecked"):
-                ready[key] = prep
-        except Exception as exc:  # noqa: BLE001 - a failing runner is a line in the table, never a crash
-            r["status"] = "failed"
-            r["reason"] = common.one_line(exc)
-        del prep
-        if ours and r["status"] != "ok":
-            case["ours_ok"] = False
-        case["runners"][key] = r
-        msg = f"[{name}] {key}: {r['status']}"
-        if r["err"] is not None:
-            msg += f", err {r['err']:.2e}"
-        if r["first_call_s"] is not None:
-            msg += f", prepare + first call {r['first_call_s']:.1f} s"
-        if r["reason"]:
-            msg += f" - {r['reason']}"
-        bar.log(msg)
-        bar.update(1)
+    def measure(key, r, b2b_runs):
+        r["tbps"] = nbytes / (r["ms"] * 1e-3) / 1e12
+        r["of_ceiling"] = r["tbps"] * 1e12 / ceilings.bandwidth
+        r["over_floor"] = r["ms"] / case["floor_ms"]
+        r["b2b_ms_runs"] = b2b_runs
+        r["b2b_ms"] = sum(b2b_runs) / len(b2b_runs) if b2b_runs else None
+        return (f"{r['ms']:.4f} ms, {r['tbps']:.2f} TB/s" + common.spread_note(r)
+                + (f", back to back {r['b2b_ms']:.4f} ms/call" if r["b2b_ms"] is not None else ""))
 
-    runs = {k: [] for k in runners}
-    b2b = {k: [] for k in runners}
-    for p in range(passes):  # passes interleave the runners, so drift shows up as spread
-        for key in runners:
-            bar.status(f"{name} {key}: pass {p + 1}/{passes}")
-            if key in ready:
-                try:
-                    fn = common.rotating(ready[key].fns)
-                    runs[key].append(common.bench_ms(fn, warmup_ms, rep_ms))
-                    b2b[key].append(common.back_to_back_ms(fn, warmup_ms, rep_ms))
-                except Exception as exc:  # noqa: BLE001
-                    r = case["runners"][key]
-                    r["status"], r["reason"] = "failed", f"while timing: {common.one_line(exc)}"
-                    ready.pop(key)
-                    if r["ours"]:
-                        case["ours_ok"] = False
-            bar.update(1)
-
-    for key in runners:
-        r = case["runners"][key]
-        if r["status"] in ("ok", "unchecked") and runs[key]:
-            r.update(common.summarize_passes(runs[key]))
-            r["tbps"] = nbytes / (r["ms"] * 1e-3) / 1e12
-            r["of_ceiling"] = r["tbps"] * 1e12 / ceilings.bandwidth
-            r["over_floor"] = r["ms"] / case["floor_ms"]
-            r["b2b_ms_runs"] = b2b[key]
-            r["b2b_ms"] = sum(b2b[key]) / len(b2b[key]) if b2b[key] else None
-            bar.log(f"[{name}] {key}: {r['ms']:.4f} ms, {r['tbps']:.2f} TB/s"
-                    + (f" (spread {100 * r['spread']:.1f}%)" if r.get("spread") is not None else "")
-                    + (f", back to back {r['b2b_ms']:.4f} ms/call" if r["b2b_ms"] is not None else ""))
-    del sets, ready, ref
+    common.run_runners(case, runners, lambda key: PREPARE[key](meta, sets), titles=titles, our_keys=OUR_KEYS,
+                       meta=meta, ref=ref, tol=TOL, timing=timing, bar=bar, first_call_label="prepare + first call",
+                       measure=measure, back_to_back=True)
     return case
 
 
@@ -611,16 +426,8 @@ def targets(result: dict) -> list:
 
 # ---------------------------------------------------------------- tables
 
-def _peer_cell(ours: dict, peer: dict) -> str:
-    if peer["status"] not in ("ok", "unchecked") or peer.get("ms") is None:
-        reason = peer["reason"] or ""
-        return f"{peer['status']}: {reason if len(reason) <= 70 else reason[:67] + '...'}"
-    cell = f"{peer['tbps']:.2f} TB/s"
-    if ours.get("ms"):
-        cell += f", {peer['ms'] / ours['ms']:.2f}x"
-    if "repeated" in peer.get("note", ""):
-        cell += " (K/V repeated)"
-    return cell
+def _metric(runner: dict) -> str:
+    return f"{runner['tbps']:.2f} TB/s"
 
 
 def _who(key: Optional[str]) -> str:
@@ -639,7 +446,7 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"- {BYTES_FORMULA}; TB/s = K/V bytes / time.",
              f"- floor = K/V bytes / {bw:.2f} TB/s (device copy, read + write: a read-only stream can pass it, "
              f"so '% of ceiling' can exceed 100%); 'ours/floor' is our time over it.",
-             f"- {RATIO_NOTE}; peer cells: peer TB/s, ratio to the serveattn variant of the row.",
+             f"- {common.RATIO_NOTE}; peer cells: peer TB/s, ratio to the serveattn variant of the row.",
              f"- ms: median of triton.testing.do_bench (L2 flushed before every call; warmup {cfg['warmup_ms']} "
              f"ms, rep {cfg['rep_ms']} ms), mean over {cfg['passes']} interleaved pass(es). 'b2b': mean ms per "
              f"call over a loop of calls back to back with no flush, which the host's launch cost bounds from "
@@ -653,23 +460,9 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
 
     headers = ["case", "ours", "ms", "TB/s", f"% of {bw:.2f}", "spread", "err", "ours/floor", "b2b ms"]
     headers += [titles[p] for p in peers]
-    rows = []
-    for c in cases:
-        for key, _ in OURS:
-            o = c["runners"].get(key)
-            if o is None:
-                continue
-            ok = o["status"] in ("ok", "unchecked") and o.get("ms") is not None
-            row = [c["name"], key]
-            if ok:
-                row += [f"{o['ms']:.4f}", f"{o['tbps']:.2f}", f"{100 * o['of_ceiling']:.0f}%",
-                        common.fmt(100 * o["spread"], ".1f") + "%" if o.get("spread") is not None else "-",
-                        common.fmt(o["err"], ".1e"), f"{o['over_floor']:.2f}x", common.fmt(o.get("b2b_ms"), ".4f")]
-            else:
-                row += [f"{o['status'].upper()}: {o['reason']}", "-", "-", "-", common.fmt(o["err"], ".1e"),
-                        "-", "-"]
-            row += [_peer_cell(o if ok else {}, c["runners"][p]) for p in peers]
-            rows.append(row)
+    rows = common.ours_rows(cases, OUR_KEYS, peers, lambda o: [
+        f"{o['ms']:.4f}", f"{o['tbps']:.2f}", f"{100 * o['of_ceiling']:.0f}%", common.spread_cell(o),
+        common.fmt(o["err"], ".1e"), f"{o['over_floor']:.2f}x", common.fmt(o.get("b2b_ms"), ".4f")], 7, _metric)
     lines += ["### serveattn against the peers", "",
               "ours: cc = use_tensor_cores=False, tc = use_tensor_cores=True; -graph = CUDA graph replay.", "",
               common.markdown_table(headers, rows), ""]
@@ -724,8 +517,5 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
     notes = sorted({c["runners"][k].get("note", "") for c in cases for k in OUR_KEYS if k in c["runners"]} - {""})
     if notes:
         lines += ["serveattn: " + "; ".join(notes), ""]
-    refs = sorted({c.get("reference", "") for c in cases})
-    lines += [f"reference for 'err': {'; '.join(refs)}; tolerance {TOL} (relative norm)."]
-    if not result["ok"]:
-        lines += ["", "**serveattn failed or was wrong in at least one case: see the rows above.**"]
+    lines += common.report_footer(result, TOL)
     return "\n".join(lines)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 from . import common
 
@@ -39,12 +38,12 @@ FLOPS_FORMULA = ("causal flops = 2 * s^2 * Hq * D per request of s tokens, summe
                  "(FlashInfer's convention: 4 * Hq * D * s^2 / 2, the diagonal's extra s/2 pairs not counted)")
 BYTES_FORMULA = ("bytes = q + o (2 * tokens * Hq * D * 2) + K + V (2 * tokens * Hkv * D * 2) "
                  "+ the page table (4 bytes a page), each read or written once")
-RATIO_NOTE = "ratio = peer time / our time (above 1: ours is faster)"
 
 #: (key, title) of our runners and of the peers, in the order they run and appear in the tables.
 OURS = (("paged", "serveattn paged"), ("ragged", "serveattn ragged"))
 PEERS = (("flash", "torch flash SDPA"), ("cudnn", "cuDNN SDPA"), ("fi-fa2", "FlashInfer fa2"),
          ("fi-fa3", "FlashInfer fa3"), ("flex", "FlexAttention (compiled)"))
+OUR_KEYS = tuple(k for k, _ in OURS)
 PEER_KEYS = tuple(k for k, _ in PEERS)
 
 
@@ -165,112 +164,46 @@ def bhsd_to_ragged(out, meta: Meta):
 
 # ---------------------------------------------------------------- runners
 
-def _identity(out, meta):
-    return out
-
-
-@dataclasses.dataclass
-class Prepared:
-    """A runner ready to time: one call per input set, how to compare its output, what to say about it."""
-
-    fns: List[Callable[[], object]]
-    note: str = ""
-    normalize: Callable = _identity
-    poisoned: Optional[Callable[[], object]] = None  # a call on set 0 that writes into a NaN-filled `out`
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _poisoned_call(run, args, like):
-    """A call that passes ``out=`` filled with NaN, so an unwritten element shows as a failed check."""
-    import torch
-
-    def call():
-        out = torch.full_like(like, float("nan"))
-        res = _first(run(*args, out=out))
-        return res if res is not None else out
-
-    return call
-
-
-def _workspace():
-    import torch
-
-    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEVICE)
-
-
-def prepare_ours_paged(meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_ours_paged(meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
     import serveattn
 
-    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(_workspace(), kv_layout="NHD")
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(common.workspace(WORKSPACE_BYTES, DEVICE), kv_layout="NHD")
     w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, HQ, HKV, HEAD_DIM,
            PAGE_SIZE, causal=True, q_data_type=torch.bfloat16)
     fns = [functools.partial(w.run, s.q, s.cache) for s in sets]
-    return Prepared(fns=fns, note=f"backend={getattr(w, 'backend', '?')}",
-                    poisoned=_poisoned_call(w.run, (sets[0].q, sets[0].cache), sets[0].q))
+    return common.Prepared(fns=fns, note=f"backend={getattr(w, 'backend', '?')}",
+                           poisoned=common.poisoned_call(w.run, (sets[0].q, sets[0].cache), sets[0].q))
 
 
-def prepare_ours_ragged(meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_ours_ragged(meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
     import serveattn
 
-    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), kv_layout="NHD")
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(common.workspace(WORKSPACE_BYTES, DEVICE), kv_layout="NHD")
     w.plan(meta.qo_indptr, meta.kv_indptr, HQ, HKV, HEAD_DIM, causal=True, q_data_type=torch.bfloat16)
     fns = [functools.partial(w.run, s.q, s.k, s.v) for s in sets]
-    return Prepared(fns=fns, note=f"backend={getattr(w, 'backend', '?')}",
-                    poisoned=_poisoned_call(w.run, (sets[0].q, sets[0].k, sets[0].v), sets[0].q))
+    return common.Prepared(fns=fns, note=f"backend={getattr(w, 'backend', '?')}",
+                           poisoned=common.poisoned_call(w.run, (sets[0].q, sets[0].k, sets[0].v), sets[0].q))
 
 
-def _sdpa_call(backend, q, k, v, gqa: bool):
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel(backend):
-        if gqa:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> Prepared:
-    """SDPA on contiguous [B, H, S, D]; enable_gqa=True, or K/V repeated to Hq heads if that is refused."""
-    import torch
-    from torch.nn.attention import SDPBackend
-
+def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> common.Prepared:
+    """SDPA on contiguous [B, H, S, D], causal; enable_gqa=True, or K/V repeated to Hq heads if that is refused."""
     if not meta.equal_lengths:
         raise NotImplementedError("SDPA peer needs requests of one length (dense [B, H, S, D] tensors)")
-    backend = getattr(SDPBackend, backend_name)
-    s0 = sets[0]
-    try:
-        _sdpa_call(backend, s0.qb, s0.kb, s0.vb, True)
-        torch.cuda.synchronize()
-        fns = [functools.partial(_sdpa_call, backend, s.qb, s.kb, s.vb, True) for s in sets]
-        note = "GQA via enable_gqa=True"
-    except Exception as exc:  # noqa: BLE001 - the backend refused GQA: repeat K/V outside the timing
-        g = HQ // HKV
-        fns = []
-        for s in sets:
-            kr = s.kb.repeat_interleave(g, dim=1).contiguous()
-            vr = s.vb.repeat_interleave(g, dim=1).contiguous()
-            fns.append(functools.partial(_sdpa_call, backend, s.qb, kr, vr, False))
-        note = f"K/V repeated to {HQ} heads (enable_gqa refused: {common.one_line(exc, 120)})"
-    return Prepared(fns=fns, note=note, normalize=bhsd_to_ragged)
+    fns, refused = common.sdpa_fns(backend_name, sets, HQ // HKV, causal=True)
+    note = "GQA via enable_gqa=True" if refused is None else \
+        f"K/V repeated to {HQ} heads (enable_gqa refused: {common.one_line(refused, 120)})"
+    return common.Prepared(fns=fns, note=note, normalize=bhsd_to_ragged)
 
 
-_FLEX = {}
-
-
-def prepare_flex(meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_flex(meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     if not meta.equal_lengths:
         raise NotImplementedError("FlexAttention peer here needs requests of one length")
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    flex = _FLEX["fn"]
+    flex = common.compiled_flex(NAME)
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -278,37 +211,21 @@ def prepare_flex(meta: Meta, sets: List[InputSet]) -> Prepared:
     s = meta.seq_lens[0]
     mask = create_block_mask(causal, B=None, H=None, Q_LEN=s, KV_LEN=s, device=DEVICE)
     fns = [functools.partial(flex, x.qb, x.kb, x.vb, block_mask=mask, enable_gqa=True) for x in sets]
-    return Prepared(fns=fns, note=f"torch.compile(flex_attention), causal block mask, enable_gqa=True, "
-                                  f"torch {torch.__version__}", normalize=bhsd_to_ragged)
+    return common.Prepared(fns=fns, note=f"torch.compile(flex_attention), causal block mask, enable_gqa=True, "
+                                         f"torch {torch.__version__}", normalize=bhsd_to_ragged)
 
 
-_FLASHINFER = {}
-
-
-def _import_flashinfer():
-    if "mod" not in _FLASHINFER:
-        try:
-            import flashinfer  # noqa: F401
-
-            _FLASHINFER["mod"] = flashinfer
-        except Exception as exc:  # noqa: BLE001
-            _FLASHINFER["mod"] = None
-            _FLASHINFER["why"] = f"flashinfer not importable ({common.one_line(exc, 120)})"
-    if _FLASHINFER["mod"] is None:
-        raise ModuleNotFoundError(_FLASHINFER["why"])
-    return _FLASHINFER["mod"]
-
-
-def prepare_flashinfer(backend: str, meta: Meta, sets: List[InputSet]) -> Prepared:
+def prepare_flashinfer(backend: str, meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
 
-    fi = _import_flashinfer()
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(_workspace(), kv_layout="NHD", backend=backend)
+    fi = common.import_flashinfer()
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(common.workspace(WORKSPACE_BYTES, DEVICE), kv_layout="NHD",
+                                               backend=backend)
     w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, HQ, HKV, HEAD_DIM,
            PAGE_SIZE, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     fns = [functools.partial(w.run, s.q, s.cache) for s in sets]
-    return Prepared(fns=fns, note=f"flashinfer {getattr(fi, '__version__', '?')}, backend={backend}, "
-                                  f"same shuffled page table")
+    return common.Prepared(fns=fns, note=f"flashinfer {getattr(fi, '__version__', '?')}, backend={backend}, "
+                                         f"same shuffled page table")
 
 
 PREPARE = {
@@ -324,182 +241,67 @@ PREPARE = {
 
 def reference(meta: Meta, s0: InputSet):
     """SDPA output on set 0 as [total, Hq, D]: the flash backend, else memory-efficient, else cuDNN."""
-    import torch
-
     if not meta.equal_lengths:
         raise NotImplementedError("the SDPA reference needs requests of one length")
-    errors = []
-    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-        try:
-            prep = prepare_sdpa(name, meta, [s0])
-            out = prep.fns[0]()
-            torch.cuda.synchronize()
-            return bhsd_to_ragged(out, meta).clone(), f"torch SDPA {name.lower()} ({prep.note})"
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"{name}: {common.one_line(exc, 100)}")
-    raise RuntimeError("no SDPA backend could compute the reference: " + "; ".join(errors))
+    return common.sdpa_reference(prepare_sdpa, meta, s0)
 
 
 # ---------------------------------------------------------------- the run
 
 def _selected(args):
-    quick = bool(getattr(args, "quick", False))
-    cases = getattr(args, "cases", None)
-    names = [c.strip() for c in cases.split(",") if c.strip()] if cases else \
-        (list(QUICK_WORKLOADS) if quick else list(WORKLOADS))
+    names = common.case_names(args, WORKLOADS, QUICK_WORKLOADS)
     bad = [c for c in names if c not in WORKLOADS]
     if bad:
         raise SystemExit(f"prefill: unknown case(s) {bad}; choose from {list(WORKLOADS)}.")
-    peers = (getattr(args, "peers", None) or ",".join(PEER_KEYS)).strip()
-    peer_names = [] if peers == "none" else [p.strip() for p in peers.split(",") if p.strip()]
-    bad = [p for p in peer_names if p not in PEER_KEYS]
-    if bad:
-        raise SystemExit(f"prefill: unknown peer(s) {bad}; choose from {list(PEER_KEYS)} or 'none'.")
-    return names, [k for k in PEER_KEYS if k in peer_names]
+    return names, common.select_peers(args, NAME, PEER_KEYS)
 
 
 def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = lambda r: None) -> dict:
     """Runs the selected workloads; returns the family's result (``ok``, ``cases``, ``report``)."""
-    import torch
-
     common.require_cuda()
     names, peers = _selected(args)
-    quick = bool(getattr(args, "quick", False))
-    warmup_ms = args.warmup_ms if args.warmup_ms is not None else (10 if quick else 25)
-    rep_ms = args.rep_ms if args.rep_ms is not None else (40 if quick else 100)
-    passes = args.passes if args.passes is not None else (1 if quick else 2)
-    n_sets = args.sets if args.sets is not None else (1 if quick else 2)
+    timing = common.Timing.from_args(args)
 
-    runners = [k for k, _ in OURS] + peers
+    runners = list(OUR_KEYS) + peers
     titles = dict(OURS + PEERS)
-    result = {
-        "family": NAME, "ok": True,
-        "config": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
-                   "dtype": "bfloat16", "causal": True, "page_table": "shuffled (torch.randperm)",
-                   "warmup_ms": warmup_ms, "rep_ms": rep_ms, "passes": passes, "input_sets": n_sets,
-                   "tolerance": TOL, "peers": peers, "workloads": {n: WORKLOADS[n] for n in names}},
-        "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA, "ratio": RATIO_NOTE,
-        "cases": [],
-    }
-    bar = common.Progress(len(names) * len(runners) * (1 + passes), NAME)
-    try:
-        for wi, name in enumerate(names):
-            case = _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, n_sets, bar, wi)
-            result["cases"].append(case)
-            result["ok"] = result["ok"] and case["ours_ok"]
-            checkpoint(result)
-            torch.cuda.empty_cache()
-    finally:
-        bar.close()
+    result = common.new_result(NAME, {
+        "num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
+        "dtype": "bfloat16", "causal": True, "page_table": "shuffled (torch.randperm)",
+        "warmup_ms": timing.warmup_ms, "rep_ms": timing.rep_ms, "passes": timing.passes, "input_sets": timing.sets,
+        "tolerance": TOL, "peers": peers, "workloads": {n: WORKLOADS[n] for n in names}}, FLOPS_FORMULA, BYTES_FORMULA)
+    common.run_cases(NAME, result, names, len(runners), timing.passes,
+                     functools.partial(_run_case, runners=runners, titles=titles, ceilings=ceilings, timing=timing),
+                     checkpoint)
     result["report"] = report(result, ceilings)
     return result
 
 
-def _run_case(name, runners, titles, ceilings, warmup_ms, rep_ms, passes, n_sets, bar, wi) -> dict:
-    import torch
-
+def _run_case(name, wi, bar, *, runners, titles, ceilings, timing) -> dict:
     seq_lens = WORKLOADS[name]
     meta = build_meta(seq_lens, seed=wi)
-    sets = [build_inputs(meta, seed=100 * wi + i) for i in range(n_sets)]
+    sets = [build_inputs(meta, seed=100 * wi + i) for i in range(timing.sets)]
     flops, nbytes = work(meta)
     case = {"name": name, "seq_lens": seq_lens, **common.floors(flops, nbytes, ceilings, "bf16"),
             "runners": {}, "ours_ok": True}
-    try:
-        ref, case["reference"] = reference(meta, sets[0])
-    except Exception as exc:  # noqa: BLE001
-        ref, case["reference"] = None, f"none ({common.one_line(exc)})"
+    ref = common.case_reference(case, reference, meta, sets[0])
     bar.log(f"[{name}] {len(seq_lens)} request(s), {meta.total} tokens, {meta.num_pages} pages; "
             f"reference: {case['reference']}")
 
-    ready = {}
-    for key in runners:
-        ours = key in ("paged", "ragged")
-        r = {"title": titles[key], "ours": ours, "status": "ok", "reason": None, "note": "",
-             "err": None, "first_call_s": None}
-        bar.status(f"{name} {key}: prepare")
-        try:
-            t0 = time.perf_counter()
-            prep = PREPARE[key](meta, sets)
-            r["note"] = prep.note
-            try:  # warm-up (compile, JIT, autotune) and the output for the check, outside the timing
-                out, _ = common.timed_first_call(prep.poisoned or prep.fns[0])
-            except TypeError as exc:
-                if prep.poisoned is None or "out" not in str(exc):
-                    raise
-                out, _ = common.timed_first_call(prep.fns[0])
-                prep.note += f"; run(out=...) refused ({common.one_line(exc, 80)}), unwritten elements not checked"
-                r["note"] = prep.note
-            r["first_call_s"] = time.perf_counter() - t0
-            for fn in prep.fns[1:]:
-                fn()
-            torch.cuda.synchronize()
-            if ref is not None:
-                r["err"] = common.rel_err(prep.normalize(_first(out), meta), ref)
-                if not (r["err"] < TOL):
-                    r["status"] = "wrong"
-                    r["reason"] = (f"relative error {r['err']:.3g} against {case['reference'].split(' (')[0]} "
-                                   f"(tolerance {TOL}; NaN means an unwritten or non-finite output)")
-            elif ours:
-                r["status"] = "unchecked"
-                r["reason"] = f"no reference: {case['reference']}"
-            if r["status"] in ("ok", "unchecked"):
-                ready[key] = prep
-            del out
-        except Exception as exc:  # noqa: BLE001 - a failing runner is a line in the table, never a crash
-            r["status"] = "failed"
-            r["reason"] = common.one_line(exc)
-        if ours and r["status"] != "ok":
-            case["ours_ok"] = False
-        case["runners"][key] = r
-        msg = f"[{name}] {key}: {r['status']}"
-        if r["err"] is not None:
-            msg += f", err {r['err']:.2e}"
-        if r["first_call_s"] is not None:
-            msg += f", plan + first call {r['first_call_s']:.1f} s"
-        if r["reason"]:
-            msg += f" - {r['reason']}"
-        bar.log(msg)
-        bar.update(1)
+    def measure(key, r, b2b_runs):
+        r["tflops"] = common.tflops(flops, r["ms"])
+        r["over_floor"] = r["ms"] / case["floor_ms"]
+        return f"{r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s" + common.spread_note(r)
 
-    runs = {k: [] for k in runners}
-    for p in range(passes):  # passes interleave the runners, so drift shows up as spread
-        for key in runners:
-            bar.status(f"{name} {key}: pass {p + 1}/{passes}")
-            if key in ready:
-                try:
-                    runs[key].append(common.bench_ms(common.rotating(ready[key].fns), warmup_ms, rep_ms))
-                except Exception as exc:  # noqa: BLE001
-                    r = case["runners"][key]
-                    r["status"], r["reason"] = "failed", f"while timing: {common.one_line(exc)}"
-                    ready.pop(key)
-                    if r["ours"]:
-                        case["ours_ok"] = False
-            bar.update(1)
-
-    for key in runners:
-        r = case["runners"][key]
-        if r["status"] in ("ok", "unchecked") and runs[key]:
-            r.update(common.summarize_passes(runs[key]))
-            r["tflops"] = common.tflops(flops, r["ms"])
-            r["over_floor"] = r["ms"] / case["floor_ms"]
-            bar.log(f"[{name}] {key}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s"
-                    + (f" (spread {100 * r['spread']:.1f}%)" if r.get("spread") is not None else ""))
-    del sets, ready, ref
+    common.run_runners(case, runners, lambda key: PREPARE[key](meta, sets), titles=titles, our_keys=OUR_KEYS,
+                       meta=meta, ref=ref, tol=TOL, timing=timing, bar=bar, first_call_label="plan + first call",
+                       measure=measure)
     return case
 
 
 # ---------------------------------------------------------------- tables
 
-def _peer_cell(ours: dict, peer: dict) -> str:
-    if peer["status"] not in ("ok", "unchecked") or peer.get("ms") is None:
-        reason = peer["reason"] or ""
-        return f"{peer['status']}: {reason if len(reason) <= 70 else reason[:67] + '...'}"
-    cell = f"{peer['tflops']:.0f} TFLOP/s"
-    if ours.get("ms"):
-        cell += f", {peer['ms'] / ours['ms']:.2f}x"
-    if "repeated" in peer.get("note", ""):
-        cell += " (K/V repeated)"
-    return cell
+def _metric(runner: dict) -> str:
+    return f"{runner['tflops']:.0f} TFLOP/s"
 
 
 def report(result: dict, ceilings: "common.Ceilings") -> str:
@@ -514,7 +316,7 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"- {BYTES_FORMULA}.",
              f"- floors: flops / {rate / 1e12:.0f} TFLOP/s and bytes / {ceilings.bandwidth / 1e12:.2f} TB/s; "
              f"'ours/floor' is our time over the larger of the two.",
-             f"- {RATIO_NOTE}; peer cells: peer TFLOP/s, ratio.",
+             f"- {common.RATIO_NOTE}; peer cells: peer TFLOP/s, ratio.",
              f"- times: median of triton.testing.do_bench (warmup {result['config']['warmup_ms']} ms, "
              f"rep {result['config']['rep_ms']} ms), mean over {result['config']['passes']} interleaved "
              f"pass(es), rotating over {result['config']['input_sets']} random input set(s).",
@@ -522,22 +324,9 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
 
     headers = ["case", "ours", "ms", "TFLOP/s", f"% of {rate / 1e12:.0f}", "spread", "err", "ours/floor"]
     headers += [titles[p] for p in peers]
-    rows = []
-    for c in cases:
-        for key, _ in OURS:
-            o = c["runners"].get(key)
-            if o is None:
-                continue
-            ok = o["status"] in ("ok", "unchecked") and o.get("ms") is not None
-            row = [c["name"], key]
-            if ok:
-                row += [f"{o['ms']:.3f}", f"{o['tflops']:.0f}", f"{100 * o['tflops'] * 1e12 / rate:.0f}%",
-                        common.fmt(100 * o["spread"], ".1f") + "%" if o.get("spread") is not None else "-",
-                        common.fmt(o["err"], ".1e"), f"{o['over_floor']:.2f}x"]
-            else:
-                row += [f"{o['status'].upper()}: {o['reason']}", "-", "-", "-", common.fmt(o["err"], ".1e"), "-"]
-            row += [_peer_cell(o if ok else {}, c["runners"][p]) for p in peers]
-            rows.append(row)
+    rows = common.ours_rows(cases, OUR_KEYS, peers, lambda o: [
+        f"{o['ms']:.3f}", f"{o['tflops']:.0f}", f"{100 * o['tflops'] * 1e12 / rate:.0f}%", common.spread_cell(o),
+        common.fmt(o["err"], ".1e"), f"{o['over_floor']:.2f}x"], 6, _metric)
     lines += ["### serveattn against the peers", "", common.markdown_table(headers, rows), ""]
 
     frows = [[c["name"], f"{len(c['seq_lens'])} x {c['seq_lens'][0]}" if len(set(c["seq_lens"])) == 1
@@ -559,8 +348,5 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
         lines += ["### peers", "",
                   common.markdown_table(["case", "peer", "status", "ms", "TFLOP/s", "err vs ref",
                                          "plan + first call s", "how / reason"], prows), ""]
-    refs = sorted({c.get("reference", "") for c in cases})
-    lines += [f"reference for 'err': {'; '.join(refs)}; tolerance {TOL} (relative norm)."]
-    if not result["ok"]:
-        lines += ["", "**serveattn failed or was wrong in at least one case: see the rows above.**"]
+    lines += common.report_footer(result, TOL)
     return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""Host cost of one decode/prefill call on the GPU: plan(), run(), and the bare Triton launch inside run().
+
+Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py
+"""
+import time
+
+import torch
+
+import serveattn
+from serveattn.kernels import attention as attention_kernel
+from serveattn.kernels import decode as decode_kernel
+
+
+def per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    torch.manual_seed(0)
+    dev = "cuda"
+    for batch, kv in ((1, 8192), (256, 1024)):
+        pages = (kv + 15) // 16
+        cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages
+        indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
+        last = torch.full((batch,), 16, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        for tc in (False, True):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=tc)
+            host_idx = (indptr.cpu(), indices.cpu(), last.cpu())
+            plan_us = per_call_us(lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
+            run_us = per_call_us(lambda: w.run(q, cache, out=out))
+            print(f"decode batch {batch} kv {kv} tensor_cores={tc}: plan {plan_us:.1f} us, run {run_us:.1f} us")
+            if not tc:
+                p = w._plan
+                k, v = cache[:, 0], cache[:, 1]
+                launch_us = per_call_us(lambda: decode_kernel.launch(q, k, v, out, None, p, "NHD", p.num_work_host,
+                                                                    p.batch if p.num_slots else 0))
+                print(f"    bare decode_kernel.launch (+merge: {bool(p.num_slots)}): {launch_us:.1f} us")
+    t0 = time.perf_counter()
+    x = torch.empty(1, device=dev)
+    torch.cuda.synchronize()
+    empty_us = per_call_us(lambda: x.add_(1.0))
+    print(f"reference: a torch add_ launch {empty_us:.1f} us; total probe {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
