@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 from . import backend as backends
@@ -101,20 +102,19 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
 
 def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
     """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
-    batch = kv_lens.numel()
-    if chunk is None:
-        n_chunks = torch.ones(batch, dtype=torch.int64)
-    else:
-        n_chunks = torch.clamp((kv_lens + chunk - 1) // chunk, min=1)
-    req = torch.repeat_interleave(torch.arange(batch), n_chunks)
-    index = torch.arange(req.numel()) - torch.repeat_interleave(torch.cumsum(n_chunks, 0) - n_chunks, n_chunks)
+    kv = kv_lens.numpy()
+    batch = kv.size
+    n_chunks = np.ones(batch, dtype=np.int64) if chunk is None else np.maximum((kv + chunk - 1) // chunk, 1)
+    req = np.repeat(np.arange(batch), n_chunks)
+    index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
     lo = index * (chunk or 0)
-    hi = torch.minimum(lo + chunk, kv_lens[req]) if chunk is not None else kv_lens[req]
-    slots_per_req = torch.where(n_chunks > 1, n_chunks, torch.zeros_like(n_chunks))
-    first_slot = torch.cumsum(slots_per_req, 0) - slots_per_req
-    slot = torch.where(n_chunks[req] > 1, first_slot[req] + index, torch.full_like(index, -1))
-    work = torch.stack([req, lo, hi, slot], 1).reshape(-1).to(torch.int32)
-    return work, req.numel(), first_slot.to(torch.int32), slots_per_req.to(torch.int32), int(slots_per_req.sum())
+    hi = np.minimum(lo + chunk, kv[req]) if chunk is not None else kv[req]
+    slots_per_req = np.where(n_chunks > 1, n_chunks, 0)
+    first_slot = np.cumsum(slots_per_req) - slots_per_req
+    slot = np.where(n_chunks[req] > 1, first_slot[req] + index, -1)
+    work = torch.from_numpy(np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32))
+    return (work, int(req.size), torch.from_numpy(first_slot.astype(np.int32)),
+            torch.from_numpy(slots_per_req.astype(np.int32)), int(slots_per_req.sum()))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -190,13 +190,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
-        used = indices.to("cpu", torch.int64)[: int(indptr[-1])]
-        if used.numel() and int(used.min()) < 0:
+        used = policy.host_array(indices)[: int(indptr[-1])]
+        if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
-                                last_page_len=last_page_len, max_page=int(used.max()) if used.numel() else -1)
+                                last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1)
         self._install(entry, plan)
         self._prefill = None
         self.backend = "triton"
