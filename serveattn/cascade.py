@@ -289,7 +289,7 @@ class MultiLevelCascadeAttentionWrapper:
                 torch.empty(shape[:2], dtype=torch.float32, device=plan.device),
                 torch.empty(shape[:2], dtype=torch.float32, device=plan.device))
 
-    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse=False):
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
         """q `[total_q, num_qo_heads, head_dim]` -> out (and the base-2 lse with return_lse=True)."""
         entry = self._entry + ".run"
         if not self._planned:
@@ -302,16 +302,19 @@ class MultiLevelCascadeAttentionWrapper:
                                          f"beyond the cache's {k.shape[0]} pages.")
         last = self._levels[-1]
         if self._num_levels == 1:
-            return last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse)
+            return last.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                            return_lse=return_lse)
         rows = self._total_q
         if lse is None:  # a returned lse is the caller's to keep: only an unreturned one lives in scratch
             lse = self._merged_lse[:rows] if not return_lse else None
         # The last level's own checks (q, cache, out, lse) hold for every level: they all run before any
         # launch, and the other levels differ only in page tables, checked above.
-        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
+        out, lse = last.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
+                            return_lse=True)
         level_out, level_lse = self._level_out[:rows], self._level_lse[:rows]
         for level in self._levels[:-1]:  # fixed order: levels 0, 1, ... merged into the last level's state
-            level.run(q, paged_kv_cache, out=level_out, lse=level_lse, return_lse=True)
+            level.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=level_out, lse=level_lse,
+                      return_lse=True)
             _merge_two(self.backend, out, lse, level_out, level_lse, out, lse)
         return (out, lse) if return_lse else out
 

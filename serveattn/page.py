@@ -39,11 +39,9 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
         policy.refuse(entry, f"paged_kv_cache must be a tensor or a (k_cache, v_cache) tuple, "
                              f"got {type(paged_kv_cache).__name__}.")
     dtype = k_cache.dtype
-    if dtype in policy.FP8_DTYPES:
-        policy.unsupported(entry, f"paged_kv_cache dtype {dtype} (an fp8 cache) is not served by append yet; "
-                                  f"supported: float16, bfloat16.")
-    if dtype not in policy.HALF_DTYPES:
-        policy.unsupported(entry, f"paged_kv_cache dtype {dtype} is not served; supported: float16, bfloat16.")
+    if dtype not in policy.HALF_DTYPES + policy.FP8_DTYPES:
+        policy.unsupported(entry, f"paged_kv_cache dtype {dtype} is not served; supported: float16, bfloat16, "
+                                  f"float8_e4m3fn, float8_e5m2.")
     if k_cache.numel() and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         policy.refuse(entry, f"paged_kv_cache must have a contiguous head_dim (strides {k_cache.stride()} "
                              f"and {v_cache.stride()} received).")

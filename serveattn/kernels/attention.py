@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import mma, to_dtype
+from .common import mma, to_dtype, widen
 
 LOG2E = 1.4426950408889634
 
@@ -81,11 +81,12 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         HALF: tl.constexpr = HEAD_DIM // 2
         dh = tl.arange(0, HALF)
         if MASKED:
-            k1 = tl.load(K + k_off[:, None] + dh[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            k2 = tl.load(K + k_off[:, None] + HALF + dh[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            k1 = widen(tl.load(K + k_off[:, None] + dh[None, :], mask=n_ok[:, None], other=0.0), dtype).to(tl.float32)
+            k2 = widen(tl.load(K + k_off[:, None] + HALF + dh[None, :], mask=n_ok[:, None], other=0.0),
+                       dtype).to(tl.float32)
         else:
-            k1 = tl.load(K + k_off[:, None] + dh[None, :]).to(tl.float32)
-            k2 = tl.load(K + k_off[:, None] + HALF + dh[None, :]).to(tl.float32)
+            k1 = widen(tl.load(K + k_off[:, None] + dh[None, :]), dtype).to(tl.float32)
+            k2 = widen(tl.load(K + k_off[:, None] + HALF + dh[None, :]), dtype).to(tl.float32)
         cos, sin = _rope_cos_sin(n, log2_theta, rcp_scale, HALF)
         k1r = to_dtype(k1 * cos - k2 * sin, dtype)
         k2r = to_dtype(k2 * cos + k1 * sin, dtype)
@@ -97,6 +98,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             k = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(K + k_off[:, None] + d[None, :])
+        k = widen(k, dtype)  # an fp8 cache dequantizes here, exactly; a 16-bit tile is untouched
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf.
@@ -126,6 +128,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
+    v = widen(v, dtype)
     acc = mma(to_dtype(p, v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
 

@@ -1,0 +1,136 @@
+"""fp8 KV caches under a 16-bit query: every route equals, bitwise, the same call on cache.to(q.dtype)."""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import make_paged_batch, rel_err
+
+ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
+K_SCALE, V_SCALE = 0.37, 2.5
+ROUTES = ["single_prefill", "ragged", "paged", "decode", "decode_tc", "single_decode", "cascade"]
+
+
+def _cases():
+    cycle = itertools.cycle(itertools.product([torch.float16, torch.bfloat16], ["NHD", "HND"]))
+    for route, enc, head_dim in itertools.product(ROUTES, ENCODINGS, [64, 128, 256]):
+        q_dtype, layout = next(cycle)
+        yield pytest.param(route, enc, head_dim, q_dtype, layout,
+                           id=f"{route}-{str(enc)[6:]}-d{head_dim}-{str(q_dtype)[6:]}-{layout}")
+
+
+def _fp8_batch(gen, enc, q_dtype, head_dim, layout, qo_lens, kv_lens, device):
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=head_dim,
+                         page_size=16, dtype=torch.float32, kv_layout=layout, device=device)
+    b.q = b.q.to(q_dtype)
+    b.cache = (b.cache * 4).to(enc)  # spread over the format's range, not only near 1
+    return b
+
+
+def _run_route(route, b, cache, kv_dtype, q_dtype, head_dim, layout, k_scale, v_scale, device):
+    """(out, lse) of one route on `cache` (fp8 or its 16-bit copy), with the given scales."""
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    kw = dict(k_scale=k_scale, v_scale=v_scale)
+    if route == "paged":
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, layout, backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, head_dim, 16, causal=True,
+               q_data_type=q_dtype, kv_data_type=kv_dtype)
+        return w.run(b.q, cache, return_lse=True, **kw)
+    if route in ("decode", "decode_tc"):
+        q = b.q[b.qo_indptr[1:].long() - 1]  # one row per request
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=route == "decode_tc",
+                                                         backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, head_dim, 16, q_data_type=q_dtype,
+               kv_data_type=kv_dtype, fixed_split_size=32)
+        return w.run(q, cache, return_lse=True, **kw)
+    if route == "cascade":
+        # level 0: the first request's pages shared by every query row; level 1: each request's own pages
+        total = int(b.qo_indptr[-1])
+        n0 = int(b.kv_indptr[1])
+        w = serveattn.MultiLevelCascadeAttentionWrapper(2, ws, layout, backend="triton")
+        i32 = dict(dtype=torch.int32, device=device)
+        w.plan([torch.tensor([0, total], **i32), b.qo_indptr],
+               [torch.tensor([0, n0], **i32), b.kv_indptr],
+               [b.kv_indices[:n0], b.kv_indices],
+               [b.last_page_len[:1], b.last_page_len], 8, 2, head_dim, 16, causal=True, q_data_type=q_dtype,
+               kv_data_type=kv_dtype)
+        return w.run(b.q, cache, return_lse=True, **kw)
+    k, v, kv_indptr = reference.gather_paged(cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    if route == "ragged":
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, layout, backend="triton")
+        w.plan(b.qo_indptr, kv_indptr.to(torch.int32).to(device), 8, 2, head_dim, causal=True, q_data_type=q_dtype,
+               kv_data_type=kv_dtype)
+        return w.run(b.q, k, v, return_lse=True, **kw)
+    # single request: the first one
+    q0, q1 = int(b.qo_indptr[0]), int(b.qo_indptr[1])
+    n = int(kv_indptr[1])
+    ks, vs = (k[:, :n], v[:, :n]) if layout == "HND" else (k[:n], v[:n])
+    if route == "single_prefill":
+        return serveattn.single_prefill_with_kv_cache(b.q[q0:q1], ks, vs, causal=True, kv_layout=layout,
+                                                      backend="triton", return_lse=True, **kw)
+    return serveattn.single_decode_with_kv_cache(b.q[q1 - 1], ks, vs, kv_layout=layout, backend="triton",
+                                                 return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("route,enc,head_dim,q_dtype,layout", list(_cases()))
+def test_fp8_cache_equals_dequantized_cache_bitwise(route, enc, head_dim, q_dtype, layout, device):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{route}{enc}{head_dim}".encode()))
+    b = _fp8_batch(gen, enc, q_dtype, head_dim, layout, qo_lens=[5, 3, 7], kv_lens=[40, 77, 7], device=device)
+    wide = b.cache.to(q_dtype)  # exact: every fp8 value is a 16-bit value
+    out8, lse8 = _run_route(route, b, b.cache, enc, q_dtype, head_dim, layout, K_SCALE, V_SCALE, device)
+    out16, lse16 = _run_route(route, b, wide, q_dtype, q_dtype, head_dim, layout, K_SCALE, V_SCALE, device)
+    assert torch.equal(out8, out16) and torch.equal(lse8, lse16)
+    # A/B: a kernel that dropped either fold would not pass the equality above
+    no_k, _ = _run_route(route, b, wide, q_dtype, q_dtype, head_dim, layout, 1.0, V_SCALE, device)
+    no_v, _ = _run_route(route, b, wide, q_dtype, q_dtype, head_dim, layout, K_SCALE, 1.0, device)
+    assert not torch.equal(out8, no_k) and not torch.equal(out8, no_v)
+
+
+def test_fp8_paged_prefill_against_reference(device):
+    gen = torch.Generator().manual_seed(12)
+    b = _fp8_batch(gen, torch.float8_e4m3fn, torch.bfloat16, 128, "NHD", [6, 9], [50, 90], device)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    out = w.run(b.q, b.cache, k_scale=K_SCALE, v_scale=V_SCALE)
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_cache_dtype_must_match_the_plan(device):
+    gen = torch.Generator().manual_seed(13)
+    b = _fp8_batch(gen, torch.float8_e5m2, torch.float16, 64, "NHD", [1, 1], [20, 30], device)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.float16,
+           kv_data_type=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="k cache has dtype torch.float16 but the plan declared torch.float8_e5m2"):
+        w.run(b.q[:2], b.cache.to(torch.float16))
+    with pytest.raises(ValueError, match="k cache has dtype torch.float8_e4m3fn but the plan declared"):
+        w.run(b.q[:2], b.cache.view(torch.uint8).view(torch.float8_e4m3fn))
+
+
+def test_append_into_fp8_cache_is_exact(device):
+    gen = torch.Generator().manual_seed(14)
+    for enc in ENCODINGS:
+        cache = (torch.randn(6, 2, 4, 2, 64, generator=gen) * 3).to(enc).to(device)
+        k = (torch.randn(5, 2, 64, generator=gen) * 3).to(enc).to(device)
+        v = (torch.randn(5, 2, 64, generator=gen) * 3).to(enc).to(device)
+        indptr = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+        indices = torch.tensor([4, 1, 0, 5, 3], dtype=torch.int32, device=device)
+        last = torch.tensor([3, 1], dtype=torch.int32, device=device)
+        batch_indices = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32, device=device)
+        positions = torch.tensor([5, 6, 6, 7, 8], dtype=torch.int32, device=device)
+        want = reference.append_paged_kv_cache(k, v, batch_indices, positions, cache, indices, indptr, last)
+        for backend in ("torch", "triton"):
+            got = cache.clone()
+            serveattn.append_paged_kv_cache(k, v, batch_indices, positions, got, indices, indptr, last,
+                                            backend=backend)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (enc, backend)
