@@ -290,8 +290,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)
         if grid0:
-            decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows,
-                                 1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+            decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale)
         return (out, lse) if return_lse else out
 
     def forward(self, *args, **kwargs):
@@ -404,9 +403,7 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
         policy.check_tensor(entry, "out", out, q.shape, plan.o_dtype, plan.device)
     if lse is not None:
         policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None and not isinstance(s, (int, float)):
-            policy.unsupported(entry, f"{name} must be a Python float for 16-bit caches (got {type(s).__name__}).")
+    policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
@@ -457,6 +454,6 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     out = torch.empty((1,) + tuple(q.shape), dtype=plan.o_dtype, device=q.device)
     lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
     grid0, merge_rows = _grid(plan, False)
-    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows,
-                         1.0 if k_scale is None else float(k_scale), 1.0 if v_scale is None else float(v_scale))
+    policy.check_scales(entry, q.device, k_scale=k_scale, v_scale=v_scale)
+    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale)
     return (out[0], lse[0]) if return_lse else out[0]

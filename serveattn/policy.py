@@ -235,6 +235,21 @@ def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dt
         refuse(entry, f"{name} must have a contiguous last dimension (stride {t.stride(-1)} received).")
 
 
+def check_scales(entry: str, device: torch.device, **scales) -> None:
+    """k_scale / v_scale: a positive finite Python float, or a one-element float32 tensor on the device."""
+    for name, s in scales.items():
+        if s is None:
+            continue
+        if isinstance(s, torch.Tensor):
+            if s.numel() != 1 or s.dtype != torch.float32:
+                refuse(entry, f"{name} is a tensor of shape {tuple(s.shape)} and dtype {s.dtype}; a tensor scale "
+                              f"must be one float32 element.")
+            if s.device != torch.device(device):
+                refuse(entry, f"{name} is on {s.device}; a tensor scale must be on {torch.device(device)}.")
+        elif not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+            refuse(entry, f"{name}={s!r} must be a positive finite float or a one-element float32 tensor.")
+
+
 def check_same_device(entry: str, device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:

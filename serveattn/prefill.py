@@ -354,10 +354,7 @@ class _PrefillWrapper:
                                 plan.device)
         if lse is not None:
             policy.check_tensor(entry, "lse", lse, (plan.total_q, plan.num_qo_heads), torch.float32, plan.device)
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is not None and not isinstance(s, (int, float)):
-                policy.unsupported(entry, f"{name} must be a Python float for 16-bit caches "
-                                          f"(got {type(s).__name__}).")
+        policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
 
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
         self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
@@ -373,9 +370,7 @@ class _PrefillWrapper:
                 self._graph_q_rows = plan.total_q
             grid0 = self._grid0(plan)
             if grid0:
-                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0,
-                                        1.0 if k_scale is None else float(k_scale),
-                                        1.0 if v_scale is None else float(v_scale))
+                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale)
         return (out, lse) if return_lse else out
 
     def _grid0(self, plan: Plan) -> int:

@@ -134,3 +134,20 @@ def test_append_into_fp8_cache_is_exact(device):
             serveattn.append_paged_kv_cache(k, v, batch_indices, positions, got, indices, indptr, last,
                                             backend=backend)
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (enc, backend)
+
+
+@pytest.mark.parametrize("route", ["paged", "decode", "decode_tc", "single_prefill", "single_decode"])
+def test_tensor_scales_are_read_in_the_kernel(route, device):
+    """One-element float32 device tensors serve as k_scale / v_scale (graph-safe: no host read)."""
+    gen = torch.Generator().manual_seed(15)
+    b = _fp8_batch(gen, torch.float8_e4m3fn, torch.bfloat16, 64, "NHD", [4, 6], [30, 50], device)
+    ks = torch.tensor([K_SCALE], dtype=torch.float32, device=device)
+    vs = torch.tensor([V_SCALE], dtype=torch.float32, device=device)
+    out_t, lse_t = _run_route(route, b, b.cache, torch.float8_e4m3fn, torch.bfloat16, 64, "NHD", ks, vs, device)
+    out_f, lse_f = _run_route(route, b, b.cache, torch.float8_e4m3fn, torch.bfloat16, 64, "NHD", K_SCALE, V_SCALE,
+                              device)
+    assert rel_err(out_t, out_f.double()) < 1e-2
+    assert (lse_t - lse_f).abs().max().item() < 1e-3
+    wide_t, _ = _run_route(route, b, b.cache.to(torch.bfloat16), torch.bfloat16, torch.bfloat16, 64, "NHD", ks, vs,
+                           device)
+    assert torch.equal(out_t, wide_t)

@@ -92,7 +92,10 @@ RUN_REFUSALS = [
     ("cache_shape", "cache_shape", ValueError, "k cache has shape"),
     ("cache_pages", "cache_pages", ValueError, "beyond the cache's 2 pages"),
     ("cache_5d", "cache_5d", ValueError, "expected a 5-D"),
-    ("tensor_scale", "tensor_scale", NotImplementedError, "k_scale must be a Python float"),
+    ("tensor_scale", "tensor_scale", ValueError, "k_scale is a tensor of shape \\(2,\\) and dtype torch.float32; "
+                                                 "a tensor scale must be one float32 element"),
+    ("scale_dtype", "scale_dtype", ValueError, "v_scale is a tensor of shape \\(1,\\) and dtype torch.float16"),
+    ("scale_value", "scale_value", ValueError, "k_scale=-1.0 must be a positive finite float"),
 ]
 
 
@@ -124,7 +127,11 @@ def test_paged_run_refusals(case, device):
     elif what == "cache_5d":
         cache = cache[:, 0]
     elif what == "tensor_scale":
-        kw["k_scale"] = torch.tensor([0.5], device=device)
+        kw["k_scale"] = torch.tensor([0.5, 1.0], device=device)
+    elif what == "scale_dtype":
+        kw["v_scale"] = torch.tensor([0.5], device=device, dtype=torch.float16)
+    elif what == "scale_value":
+        kw["k_scale"] = -1.0
     with pytest.raises(exc, match=match):
         w.run(q, cache, **kw)
 

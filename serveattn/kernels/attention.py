@@ -51,6 +51,20 @@ def _finish(acc, l_i, m_i, v_scale):
 
 
 @triton.jit
+def _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr, K_SCALE_PTR: tl.constexpr,
+                   V_SCALE_PTR: tl.constexpr):
+    """Folds k_scale / v_scale given as one-element device tensors (read here, so a captured CUDA graph
+    follows their current values) into the logit and output scales."""
+    if K_SCALE_PTR:
+        k_scale = tl.load(k_scale_ptr)
+        qk_scale = qk_scale * k_scale
+        sm_scale = sm_scale * k_scale
+    if V_SCALE_PTR:
+        v_scale = v_scale * tl.load(v_scale_ptr)
+    return qk_scale, sm_scale, v_scale
+
+
+@triton.jit
 def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
     """cos/sin [len(pos), HALF] of LLaMA RoPE angles pos * rcp_scale * theta^(-2i/D)."""
     i = tl.arange(0, HALF).to(tl.float32)
@@ -140,14 +154,16 @@ def prefill_kernel(
     stride_ot, stride_oh, stride_lt, stride_lh,
     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
     mask_ptr, mask_indptr,
-    qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale,
+    qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale, k_scale_ptr, v_scale_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
-    KV_SAME_STRIDES: tl.constexpr,
+    KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
+    qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                                                 K_SCALE_PTR, V_SCALE_PTR)
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
         req = tl.load(work + 2 * w)
         tile = tl.load(work + 2 * w + 1)
@@ -250,10 +266,20 @@ def _present(placeholder, *tensors):
     return [placeholder if t is None else t for t in tensors]
 
 
-def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale: float = 1.0, v_scale: float = 1.0):
+def scale_args(scale, placeholder):
+    """(host factor, device pointer, read-the-pointer flag) of a k_scale / v_scale: None, float or tensor."""
+    if isinstance(scale, torch.Tensor):
+        return 1.0, scale, True
+    return (1.0 if scale is None else float(scale)), placeholder, False
+
+
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
 
-    k_scale folds into the logit scale and v_scale into the output, inside the kernel."""
+    k_scale folds into the logit scale and v_scale into the output, inside the kernel; each is a float or
+    a one-element float32 device tensor (read by the kernel)."""
+    ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
+    vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
     sk = kv_strides(k, kv_layout, plan.paged)
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
@@ -265,10 +291,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale: float =
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
                                                                               plan.last_page_len, plan.mask,
                                                                               plan.mask_indptr),
-        plan.sm_scale * k_scale * LOG2E, plan.sm_scale * k_scale, plan.soft_cap, plan.window_left,
-        plan.log2_theta, plan.rcp_scale, v_scale,
+        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
+        plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
-        RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -9,7 +9,7 @@ result is the same bits on every run.
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _finish, _present, _request_kv, kv_strides
+from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
 from .common import to_dtype
 
 
@@ -19,13 +19,16 @@ def decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_lb, stride_lh,
     work, num_work_ptr, kv_indptr, kv_indices, last_page_len,
-    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+    qk_scale, sm_scale, soft_cap, window_left, v_scale, k_scale_ptr, v_scale_ptr,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
+    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
+    qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                                                 K_SCALE_PTR, V_SCALE_PTR)
     g = tl.arange(0, GROUP_PAD)
     row_ok = g < GROUP
     head = kvh * GROUP + g
@@ -106,9 +109,10 @@ def merge_kernel(
             tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
-def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale: float = 1.0,
-           v_scale: float = 1.0):
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None):
     """Decode launch (and the merge launch when the plan splits any request)."""
+    ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
+    vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
     sk = kv_strides(k, kv_layout, plan.paged)
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out
@@ -119,11 +123,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
         plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len,
-        plan.sm_scale * k_scale * LOG2E, plan.sm_scale * k_scale, plan.soft_cap, plan.window_left, v_scale,
+        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
-        KV_SAME_STRIDES=sk == sv, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )
     if merge_rows:
         merge_kernel[(merge_rows, plan.num_kv_heads)](
