@@ -250,6 +250,19 @@ def check_scales(entry: str, device: torch.device, **scales) -> None:
             refuse(entry, f"{name}={s!r} must be a positive finite float or a one-element float32 tensor.")
 
 
+def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None) -> None:
+    """fp8-query descales: refused together with k_scale/v_scale (K and V would be scaled twice), and not
+    served yet on their own."""
+    given = [n for n, s in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)) if s is not None]
+    if not given:
+        return
+    if k_scale is not None or v_scale is not None:
+        refuse(entry, f"{', '.join(given)} and k_scale/v_scale were both given; the descales already dequantize "
+                      f"K and V, so the cache would be scaled twice.")
+    unsupported(entry, f"{', '.join(given)} (fp8 query attention) is not served yet; an fp8 KV cache under a "
+                       f"16-bit query takes k_scale/v_scale.")
+
+
 def check_same_device(entry: str, device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:

@@ -417,8 +417,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             graph_max_qo=self._graph_max_qo)
         self._commit(plan)
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
+            out=None, lse=None, return_lse=False):
         entry = self._entry + ".run"
+        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
         plan = self._plan
         if plan is not None:
@@ -463,8 +465,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             graph_max_qo=self._graph_max_qo)
         self._commit(plan)
 
-    def run(self, q, k, v, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
+    def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
+            lse=None, return_lse=False):
         entry = self._entry + ".run"
+        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         policy.check_same_kv_dtype(entry, k, v)
         plan = self._plan
         if plan is not None:
@@ -485,7 +489,7 @@ def _refuse_extra(entry: str, kwargs: dict) -> None:
 
 def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                     window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale,
-                    entry):
+                    entry, o_dtype=None):
     policy.check_kv_layout(entry, kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -505,18 +509,20 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
                  q.shape[1], num_kv_heads, q.shape[2], custom_mask=mask, packed_custom_mask=packed_custom_mask,
                  causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-                 q_data_type=q.dtype, kv_data_type=k.dtype)
+                 q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
     return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 
 
 def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal=False, kv_layout="NHD",
                                  pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
                                  window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
-                                 backend="auto", return_lse=False, k_scale=None, v_scale=None):
+                                 backend="auto", return_lse=False, k_scale=None, v_scale=None, scale_q=None,
+                                 scale_k=None, scale_v=None, o_dtype=None):
     """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND)."""
+    policy.check_descales("single_prefill_with_kv_cache", scale_q, scale_k, scale_v, k_scale, v_scale)
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
-                           v_scale, "single_prefill_with_kv_cache")
+                           v_scale, "single_prefill_with_kv_cache", o_dtype)
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, **kwargs):
