@@ -266,19 +266,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     kv_indptr=self._bufs["kv_indptr"], kv_indices=self._bufs["kv_indices"],
                     last_page_len=self._bufs["last_page_len"])
 
-    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, q_len_per_req=None, **unsupported_kwargs):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
+            scale_v=None, out=None, lse=None, return_lse=False, q_len_per_req=None, **unsupported_kwargs):
         entry = self._entry + ".run"
         if args or unsupported_kwargs:
-            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, out, lse, "
-                                      "return_lse.")
+            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, scale_q, "
+                                      "scale_k, scale_v, out, lse, return_lse.")
         if q_scale is not None:
-            policy.unsupported(entry, "q_scale (an fp8 query) is not served yet.")
+            policy.unsupported(entry, "q_scale is not served; an fp8 query takes the descale tensors scale_q, "
+                                      "scale_k, scale_v (use_tensor_cores=True).")
         if q_len_per_req not in (None, 1):
             policy.unsupported(entry, f"q_len_per_req={q_len_per_req} is not served yet.")
         if self._prefill is not None:
-            return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
-                                     return_lse=return_lse)
+            return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q,
+                                     scale_k=scale_k, scale_v=scale_v, out=out, lse=lse, return_lse=return_lse)
+        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")
@@ -334,7 +336,10 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
     q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
     kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
     o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
-    policy.check_q_dtype(entry, q_dtype, "q_data_type")
+    policy.check_q_dtype(entry, q_dtype, "q_data_type", kv_dtype)
+    if q_dtype in policy.FP8_DTYPES:
+        policy.unsupported(entry, "an fp8 query is served on the tensor-core route only; construct the wrapper "
+                                  "with use_tensor_cores=True.")
     policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
     policy.check_o_dtype(entry, o_dtype)
     return q_dtype, kv_dtype, o_dtype

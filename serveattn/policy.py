@@ -56,12 +56,14 @@ def canonical_dtype(entry: str, name: str, value) -> torch.dtype:
                   f"or its name ('float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2').")
 
 
-def check_q_dtype(entry: str, dtype: torch.dtype, name: str = "q") -> None:
+def check_q_dtype(entry: str, dtype: torch.dtype, name: str = "q", kv_dtype: Optional[torch.dtype] = None) -> None:
     if dtype in HALF_DTYPES:
         return
     if dtype in FP8_DTYPES:
-        unsupported(entry, f"{name} dtype {dtype} (an fp8 query) is not served yet; "
-                           f"supported query dtypes are {_names(HALF_DTYPES)}.")
+        if kv_dtype in FP8_DTYPES:
+            return  # fp8 attention on tensor cores
+        unsupported(entry, f"{name} dtype {dtype} (an fp8 query) is served with an fp8 KV cache only; the "
+                           f"cache dtype is {kv_dtype}.")
     _unsupported_dtype(entry, name, dtype)
 
 
@@ -250,17 +252,36 @@ def check_scales(entry: str, device: torch.device, **scales) -> None:
             refuse(entry, f"{name}={s!r} must be a positive finite float or a one-element float32 tensor.")
 
 
-def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None) -> None:
-    """fp8-query descales: refused together with k_scale/v_scale (K and V would be scaled twice), and not
-    served yet on their own."""
+def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None,
+                   q_dtype: Optional[torch.dtype] = None, device=None, num_qo_heads: int = 0,
+                   num_kv_heads: int = 0):
+    """fp8-attention descales: float32 tensors on q's device of one element or one per head ([Hq], [Hkv],
+    [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query.
+    Returns (scale_q, scale_k, scale_v) for an fp8 query (None entries become ones), else None."""
     given = [n for n, s in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)) if s is not None]
-    if not given:
-        return
-    if k_scale is not None or v_scale is not None:
+    if given and (k_scale is not None or v_scale is not None):
         refuse(entry, f"{', '.join(given)} and k_scale/v_scale were both given; the descales already dequantize "
                       f"K and V, so the cache would be scaled twice.")
-    unsupported(entry, f"{', '.join(given)} (fp8 query attention) is not served yet; an fp8 KV cache under a "
-                       f"16-bit query takes k_scale/v_scale.")
+    if q_dtype not in FP8_DTYPES:
+        if given:
+            refuse(entry, f"{', '.join(given)} apply to an fp8 query; this query is {q_dtype}, and an fp8 KV cache "
+                          f"under a 16-bit query takes k_scale/v_scale.")
+        return None
+    out = []
+    for name, s, heads in (("scale_q", scale_q, num_qo_heads), ("scale_k", scale_k, num_kv_heads),
+                           ("scale_v", scale_v, num_kv_heads)):
+        if s is None:
+            s = torch.ones(1, dtype=torch.float32, device=device)
+        elif not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or \
+                s.numel() not in (1, heads):
+            shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            refuse(entry, f"{name} has shape {shape}"
+                          f"{' and dtype ' + str(s.dtype) if isinstance(s, torch.Tensor) else ''}; a descale is a "
+                          f"float32 tensor of shape [1] (per tensor) or [{heads}] (per head).")
+        elif s.device != torch.device(device):
+            refuse(entry, f"{name} is on {s.device}; a descale must be on {torch.device(device)}.")
+        out.append(s.contiguous())
+    return tuple(out)
 
 
 def check_same_device(entry: str, device: torch.device, **tensors) -> None:

@@ -134,8 +134,12 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
                          rope_scale=rope_scale, rope_theta=rope_theta)
     q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
     kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
-    o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
-    policy.check_q_dtype(entry, q_dtype, "q_data_type")
+    default_o = torch.bfloat16 if q_dtype in policy.FP8_DTYPES else q_dtype  # API.md: bf16 for an fp8 query
+    o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else default_o)
+    policy.check_q_dtype(entry, q_dtype, "q_data_type", kv_dtype)
+    if q_dtype in policy.FP8_DTYPES and pos_encoding_mode != "NONE":
+        policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} with an fp8 query is not served; "
+                                  f"apply RoPE before quantizing q and k.")
     policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
     policy.check_o_dtype(entry, o_dtype)
     if custom_mask is not None and packed_custom_mask is not None:
@@ -356,7 +360,14 @@ class _PrefillWrapper:
             policy.check_tensor(entry, "lse", lse, (plan.total_q, plan.num_qo_heads), torch.float32, plan.device)
         policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
 
-    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale):
+    def _descales(self, entry, scale_q, scale_k, scale_v, k_scale, v_scale):
+        plan = self._plan
+        if plan is None:
+            return policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
+        return policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale, plan.q_dtype, plan.device,
+                                     plan.num_qo_heads, plan.num_kv_heads)
+
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, descales=None):
         self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
         plan = self._plan
         if out is None:
@@ -364,13 +375,13 @@ class _PrefillWrapper:
         if lse is None and return_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if plan.backend == "torch":
-            torch_impl.prefill(q, k, v, out, lse, plan, self._kv_layout, k_scale, v_scale)
+            torch_impl.prefill(q, k, v, out, lse, plan, self._kv_layout, k_scale, v_scale, descales)
         else:
             if self._use_cuda_graph and self._graph_q_rows is None:
                 self._graph_q_rows = plan.total_q
             grid0 = self._grid0(plan)
             if grid0:
-                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale)
+                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales)
         return (out, lse) if return_lse else out
 
     def _grid0(self, plan: Plan) -> int:
@@ -420,7 +431,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
             out=None, lse=None, return_lse=False):
         entry = self._entry + ".run"
-        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
+        descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
         plan = self._plan
         if plan is not None:
@@ -433,7 +444,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             if plan.max_page >= k.shape[0]:
                 policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
                                      f"{k.shape[0]} pages.")
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
@@ -468,7 +479,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
             lse=None, return_lse=False):
         entry = self._entry + ".run"
-        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
+        descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         policy.check_same_kv_dtype(entry, k, v)
         plan = self._plan
         if plan is not None:
@@ -479,7 +490,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                 if tuple(t.shape) != want:
                     policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
                                          f"expects {list(want)}.")
-        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+        return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales)
 
 
 def _refuse_extra(entry: str, kwargs: dict) -> None:
@@ -489,7 +500,7 @@ def _refuse_extra(entry: str, kwargs: dict) -> None:
 
 def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                     window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale,
-                    entry, o_dtype=None):
+                    entry, o_dtype=None, descales=None):
     policy.check_kv_layout(entry, kv_layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -510,7 +521,9 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
                  causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
                  q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
-    return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+    scale_q, scale_k, scale_v = descales or (None, None, None)
+    return wrapper.run(q, k, v, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
+                       return_lse=return_lse)
 
 
 def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal=False, kv_layout="NHD",
@@ -519,10 +532,9 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
                                  backend="auto", return_lse=False, k_scale=None, v_scale=None, scale_q=None,
                                  scale_k=None, scale_v=None, o_dtype=None):
     """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND)."""
-    policy.check_descales("single_prefill_with_kv_cache", scale_q, scale_k, scale_v, k_scale, v_scale)
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
-                           v_scale, "single_prefill_with_kv_cache", o_dtype)
+                           v_scale, "single_prefill_with_kv_cache", o_dtype, (scale_q, scale_k, scale_v))
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, **kwargs):

@@ -38,10 +38,14 @@ def _rope(x, positions, plan):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def prefill(q, k, v, out, lse, plan, kv_layout, k_scale=None, v_scale=None):
-    """Fills out (and lse, base 2) for every request of the plan."""
+def prefill(q, k, v, out, lse, plan, kv_layout, k_scale=None, v_scale=None, descales=None):
+    """Fills out (and lse, base 2) for every request of the plan. descales (fp8 attention): per-tensor or
+    per-head float32 scale_q / scale_k / scale_v, applied to the dequantized q, K and V."""
     k_scale = 1.0 if k_scale is None else float(k_scale)
     v_scale = 1.0 if v_scale is None else float(v_scale)
+    if descales is not None:  # dequantize: per-tensor ([1]) or per-head scales broadcast over [.., H, D]
+        sq, sk, sv = (d.to(q.device, torch.float32).reshape(-1, 1) for d in descales)
+        q = q.float() * sq
     mask_offset = 0
     for i in range(plan.batch):
         q0, q1 = int(plan.qo_indptr_host[i]), int(plan.qo_indptr_host[i + 1])
@@ -52,6 +56,8 @@ def prefill(q, k, v, out, lse, plan, kv_layout, k_scale=None, v_scale=None):
         ki, vi = _request_kv(k, v, plan, kv_layout, i)
         qi = q[q0:q1].float()
         ki, vi = ki.float(), vi.float()
+        if descales is not None:
+            ki, vi = ki * sk, vi * sv
         q_pos = torch.arange(qo_len, device=q.device) + (kv_len - qo_len)
         k_pos = torch.arange(kv_len, device=q.device)
         if plan.rope:

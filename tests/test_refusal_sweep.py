@@ -103,8 +103,8 @@ ATTENTION = {
 }
 # Entry points that take no output dtype or no fp8-query descales (FlashInfer's signatures) skip those rows.
 NO_O_DTYPE = {"MultiLevelCascadeAttentionWrapper", "single_decode_with_kv_cache"}
-NO_DESCALES = {"BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
-               "MultiLevelCascadeAttentionWrapper", "single_decode_with_kv_cache"}
+NO_DESCALES = {"MultiLevelCascadeAttentionWrapper", "single_decode_with_kv_cache"}
+FP8_QUERY_ON_BANDWIDTH_ROUTE = {"BatchDecodeWithPagedKVCacheWrapper"}  # refused at plan: tensor cores only
 
 DESCALE = {"scale_q": 1}  # any value: the descales are refused before they are read
 
@@ -128,11 +128,11 @@ CASES = [
     ("fp8-query-16bit-cache", E4M3, F16, F16, None, {}, NotImplementedError, "an fp8 query"),
     ("fp8-output", F16, F16, F16, E4M3, {}, NotImplementedError, "float8_e4m3fn is not served; supported output"),
     ("16bit-cache-other-dtype", F16, BF16, BF16, None, {}, NotImplementedError, "differs from the query dtype"),
-    ("descales-not-served", BF16, E4M3, E4M3, None, "descale", NotImplementedError,
-     "fp8 query attention\\) is not served yet"),
+    ("descales-16bit-query", BF16, E4M3, E4M3, None, "descale", ValueError, "apply to an fp8 query"),
     ("descales-with-k_scale", BF16, E4M3, E4M3, None, "descale+k_scale", ValueError, "scaled twice"),
-    ("descale-wrong-shape", BF16, E4M3, E4M3, None, "descale-shape", NotImplementedError,
-     "fp8 query attention\\) is not served yet"),
+    ("descale-wrong-shape", E4M3, E4M3, E4M3, None, "descale-shape", ValueError,
+     "scale_q has shape \\(3,\\) and dtype torch.float32; a descale is a float32 tensor of shape \\[1\\]"),
+    ("descale-wrong-device", E4M3, E4M3, E4M3, None, "descale-device", ValueError, "a descale must be on"),
 ]
 
 
@@ -143,6 +143,8 @@ def _run_kw(spec, device):
         return {"scale_k": _descale(device), "k_scale": 0.5}
     if spec == "descale-shape":
         return {"scale_q": torch.ones(3, device=device)}
+    if spec == "descale-device":
+        return {"scale_k": torch.ones(1, device="meta")}
     return dict(spec)
 
 
@@ -163,6 +165,8 @@ def test_attention_refusals(entry, case, device, no_launch):
         pytest.skip(f"{entry} takes no output dtype")
     if isinstance(run_spec, str) and entry in NO_DESCALES:
         pytest.skip(f"{entry} takes no fp8-query descales")
+    if q_dtype in (E4M3, E5M2) and k_dtype in (E4M3, E5M2) and entry in FP8_QUERY_ON_BANDWIDTH_ROUTE:
+        exc, sentence = NotImplementedError, "an fp8 query is served on the tensor-core route only"
     with pytest.raises(exc, match=sentence):
         ATTENTION[entry](device, q_dtype, k_dtype, v_dtype, o_dtype, _run_kw(run_spec, device))
 

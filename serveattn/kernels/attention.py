@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import mma, to_dtype, widen
+from .common import mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
+P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448) and e5m2
 
 
 @triton.jit
@@ -143,7 +144,13 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
     v = widen(v, dtype)
-    acc = mma(to_dtype(p, v.dtype), v, acc * alpha[:, None])
+    if v.dtype.is_fp8():
+        # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into the format's normal range and rounded to
+        # V's encoding for the second product; the row sums l_i stay in fp32, and _finish divides it out.
+        p_op = narrow(p * P_SCALE, v.dtype)
+    else:
+        p_op = to_dtype(p, v.dtype)
+    acc = mma(p_op, v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -155,10 +162,11 @@ def prefill_kernel(
     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
     mask_ptr, mask_indptr,
     qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale, k_scale_ptr, v_scale_ptr,
+    q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
-    KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, FP8_QKV: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
@@ -177,6 +185,15 @@ def prefill_kernel(
         head = kvh * GROUP + rows % GROUP
         row_ok = tok < qo_len
         q_row = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        if FP8_QKV:  # descales, per tensor (stride 0) or per head: scale_q per row, scale_k/v per program
+            dq_dk = tl.load(q_descale + head * q_descale_stride) * tl.load(k_descale + kvh * kv_descale_stride)
+            row_qk_scale = (qk_scale * dq_dk)[:, None]
+            row_sm_scale = (sm_scale * dq_dk)[:, None]
+            out_scale = v_scale * tl.load(v_descale + kvh * kv_descale_stride) / P_SCALE
+        else:
+            row_qk_scale = qk_scale
+            row_sm_scale = sm_scale
+            out_scale = v_scale
         if ROPE:
             HALF: tl.constexpr = HEAD_DIM // 2
             dh = tl.arange(0, HALF)
@@ -223,25 +240,25 @@ def prefill_kernel(
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
                 HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
         for n0 in range(mid_lo, mid_hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
                 HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
         for n0 in range(mid_hi, hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                 log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
                 HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
 
-        out, lse = _finish(acc, l_i, m_i, v_scale)
+        out, lse = _finish(acc, l_i, m_i, out_scale)
         o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         dv = tl.arange(0, HEAD_DIM)
         tl.store(O + o_row[:, None] + dv[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
@@ -273,13 +290,16 @@ def scale_args(scale, placeholder):
     return (1.0 if scale is None else float(scale)), placeholder, False
 
 
-def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None):
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
 
     k_scale folds into the logit scale and v_scale into the output, inside the kernel; each is a float or
-    a one-element float32 device tensor (read by the kernel)."""
+    a one-element float32 device tensor (read by the kernel). descales: (scale_q, scale_k, scale_v) float32
+    device tensors of one element or one per head, for an fp8 query over an fp8 cache."""
     ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
     vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
+    fp8 = descales is not None
+    dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
     sk = kv_strides(k, kv_layout, plan.paged)
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
@@ -293,9 +313,10 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
                                                                               plan.mask_indptr),
         plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
+        dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8_QKV=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -15,9 +15,9 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") =
 
 @triton.jit
 def mma(a, b, acc):
-    """acc + a @ b on tensor cores; operands upcast to fp32 under the interpreter."""
+    """acc + a @ b on tensor cores (fp8 operands included); operands upcast to fp32 under the interpreter."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(as_float32(a), as_float32(b), acc)
     else:
         return tl.dot(a, b, acc)
 
@@ -38,7 +38,9 @@ def to_dtype(x, dtype: tl.constexpr):
 def widen(x, dtype: tl.constexpr):
     """A loaded K/V tile in the compute dtype: fp8 is dequantized exactly (every fp8 value is a 16-bit
     value); a 16-bit tile is returned as it is. Under the interpreter fp8 is decoded from its bits."""
-    if x.dtype.is_fp8():
+    if x.dtype == dtype:  # fp8 attention keeps fp8 operands for the tensor cores
+        return x
+    elif x.dtype.is_fp8():
         if INTERPRET:
             bits = x.to(tl.uint8, bitcast=True).to(tl.uint32)
             negative = (bits >> 7) != 0
@@ -60,3 +62,69 @@ def widen(x, dtype: tl.constexpr):
             return x.to(dtype)
     else:
         return x
+
+
+@triton.jit
+def to_float32(x):
+    """A 16-bit tile in float32, exactly. Under the interpreter, whose bf16 -> fp32 conversion garbles
+    subnormals, bf16 is widened from its bits."""
+    if INTERPRET:
+        if x.dtype == tl.bfloat16:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_fp8(x, dtype: tl.constexpr):
+    """fp32 -> fp8 (`dtype` tl.float8e4nv or tl.float8e5) rounded to nearest, ties to even. Meant for x
+    within the format's range or NaN (callers saturate first; on sm_89+ GPUs Triton converts with
+    cvt.rn.satfinite, which saturates too). On a GPU the plain conversion; under the interpreter, whose fp8
+    rounding is wrong (it rounds half up on one bit and lets a rounded-up mantissa spill into the
+    exponent), the bits are built from x's bits, out-of-range values and +-inf saturating to the largest
+    finite value and NaN giving a NaN (0x7F | sign)."""
+    if INTERPRET:
+        if dtype == tl.float8e4nv:
+            mbits = 3  # e4m3fn: 3 mantissa bits, bias 7, largest finite 448 (fp32 bits 0x43E00000)
+            bias = 7
+            max_bits = 0x43E00000
+        else:
+            mbits = 2  # e5m2: 2 mantissa bits, bias 15, largest finite 57344 (fp32 bits 0x47600000)
+            bias = 15
+            max_bits = 0x47600000
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = tl.minimum(bits & 0x7FFFFFFF, max_bits)  # saturate (NaN is put back below)
+        # |x| >= 2^(1-bias), fp8 normal: drop 23 - mbits mantissa bits with round-half-even; a carry
+        # out of the mantissa moves into the exponent, which is then rebiased from 127 to `bias`.
+        shift = 23 - mbits
+        normal = ((a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)) >> shift) - ((127 - bias) << mbits)
+        # |x| < 2^(1-bias), fp8 subnormal: k = round-half-even(|x| / 2^(1-bias-mbits)) with
+        # |x| = m * 2^(max(e, 1) - 150); k = 2^mbits is the smallest normal, which encodes as k too.
+        e = a >> 23
+        m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0).to(tl.uint32)
+        sh = 151 - bias - mbits - tl.maximum(e.to(tl.int32), 1)  # >= 24 - mbits where it is used
+        sh = tl.minimum(tl.maximum(sh, 1), 31).to(tl.uint32)  # no shift by >= 32 (m < 2^24 gives 0)
+        sub = (m + ((tl.full(m.shape, 1, tl.uint32) << (sh - 1)) - 1) + ((m >> sh) & 1)) >> sh
+        out = tl.where(a >= ((128 - bias) << 23), normal, sub) | sign
+        out = tl.where(x == x, out, 0x7F | sign)
+        return out.to(tl.uint8).to(dtype, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def narrow(x, dtype: tl.constexpr):
+    """fp32 -> `dtype`, rounded to nearest even also under the interpreter (bf16 and fp8 there)."""
+    if dtype.is_fp8():
+        return to_fp8(x, dtype)
+    else:
+        return to_dtype(x, dtype)
+
+
+@triton.jit
+def as_float32(x):
+    """Any tile (fp8, 16-bit, fp32) in float32, exactly, also under the interpreter."""
+    if x.dtype.is_fp8():
+        return widen(x, tl.float32)
+    else:
+        return to_float32(x)

@@ -1,0 +1,135 @@
+"""fp8 query + fp8 KV on tensor cores: accuracy calibrated against the bf16 kernel, and A/B checks of the
+descales. P is rounded (after scaling by 256) to V's fp8 encoding for the second product. The float64 model
+below rounds P against the row's final max; the kernel rounds it against the running max of the online
+softmax (a different, equally large rounding), so the kernel is held to the model's P-rounding error (with
+50% slack for that difference) plus a few times the bf16 kernel's error on the same inputs."""
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import make_paged_batch, rel_err
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _draw(gen, shape, dist):
+    x = torch.randn(shape, generator=gen)
+    if dist == "outliers":  # a few channels 30x larger, as in real activations
+        x[..., torch.randint(0, shape[-1], (3,), generator=gen)] *= 30
+    return x
+
+
+def _quantize(x, enc, per_head):
+    """x [n, H, D] -> (fp8 values, float32 descale [1] or [H]), amax scaling."""
+    amax = x.abs().amax(dim=(0, 2)) if per_head else x.abs().amax().reshape(1)
+    scale = (amax / FP8_MAX[enc]).float()
+    return (x / scale.reshape(1, -1, 1)).to(enc), scale
+
+
+def _dequant(x8, scale):
+    return x8.double() * scale.double().reshape(1, -1, 1)
+
+
+def _model(dq, dk, dv, enc_v, causal):
+    """Float64 attention with P rounded as the kernel does: (P * 256) to V's encoding, / 256."""
+    group = dq.shape[1] // dk.shape[1]
+    kk, vv = dk.repeat_interleave(group, 1), dv.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", dq, kk) / dq.shape[-1] ** 0.5
+    qo, kv = dq.shape[0], dk.shape[0]
+    if causal:
+        visible = torch.arange(kv)[None, :] <= torch.arange(qo)[:, None] + (kv - qo)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p8 = (p * 256).float().to(enc_v).double() / 256
+    return torch.einsum("hqk,khd->qhd", p8, vv) / p.sum(-1).permute(1, 0)[..., None]
+
+
+def _single(q8, k8, v8, sq, sk, sv, causal=True, backend="triton"):
+    return serveattn.single_prefill_with_kv_cache(q8, k8, v8, causal=causal, backend=backend, scale_q=sq,
+                                                  scale_k=sk, scale_v=sv, return_lse=True)
+
+
+@pytest.mark.parametrize("dist", ["random", "outliers"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_accuracy_calibrated_against_bf16(enc, per_head, dist, device):
+    gen = torch.Generator().manual_seed(hash((str(enc), per_head, dist)) % 1000)
+    q, k, v = _draw(gen, (24, 8, 64), dist), _draw(gen, (70, 2, 64), dist), _draw(gen, (70, 2, 64), dist)
+    (q8, sq), (k8, sk), (v8, sv) = (_quantize(x, enc, per_head) for x in (q, k, v))
+    dq, dk, dv = _dequant(q8, sq), _dequant(k8, sk), _dequant(v8, sv)
+    ref, ref_lse = reference.attention(dq, dk, dv, causal=True)
+    model = _model(dq, dk, dv, enc, True)
+    out, lse = _single(q8.to(device), k8.to(device), v8.to(device), sq.to(device), sk.to(device), sv.to(device))
+    assert out.dtype == torch.bfloat16
+    bf16 = serveattn.single_prefill_with_kv_cache(dq.bfloat16().to(device), dk.bfloat16().to(device),
+                                                  dv.bfloat16().to(device), causal=True, backend="triton")
+    bf16_err = rel_err(bf16, ref)
+    assert rel_err(out, ref) < 1.5 * rel_err(model.float(), ref) + 4 * bf16_err
+    # logits are exact products of fp8 values: the LSE matches the reference closely
+    assert (lse.double().cpu() - ref_lse).abs().max().item() < 1e-3
+
+
+def test_descale_ab(device):
+    gen = torch.Generator().manual_seed(3)
+    enc = torch.float8_e4m3fn
+    q, k, v = torch.randn(16, 8, 64, generator=gen), torch.randn(40, 2, 64, generator=gen) * 0.01, \
+        torch.randn(40, 2, 64, generator=gen) * 100
+    (q8, sq), (k8, sk), (v8, sv) = (_quantize(x, enc, False) for x in (q, k, v))
+    args = [t.to(device) for t in (q8, k8, v8)]
+    ref, _ = reference.attention(_dequant(q8, sq), _dequant(k8, sk), _dequant(v8, sv), causal=True)
+    out, _ = _single(*args, sq.to(device), sk.to(device), sv.to(device))
+    # a 4x scale_q must move the result
+    out4, _ = _single(*args, 4 * sq.to(device), sk.to(device), sv.to(device))
+    assert rel_err(out4, out.double()) > 1e-2
+    # K and V quantized at very different scales: swapping their descales is much worse than the right order
+    swapped, _ = _single(*args, sq.to(device), sv.to(device), sk.to(device))
+    assert rel_err(swapped, ref) > 10 * rel_err(out, ref)
+    # a per-head descale differs from its per-tensor mean
+    sk_heads = torch.tensor([0.5, 2.0], dtype=torch.float32) * sk
+    per_head, _ = _single(*args, sq.to(device), sk_heads.to(device), sv.to(device))
+    mean, _ = _single(*args, sq.to(device), sk_heads.mean().reshape(1).to(device), sv.to(device))
+    assert rel_err(per_head, mean.double()) > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_paged_fp8_attention_and_o_data_type(backend, device):
+    gen = torch.Generator().manual_seed(5)
+    b = make_paged_batch(gen, qo_lens=[5, 9], kv_lens=[40, 70], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.float32, device=device)
+    enc = torch.float8_e4m3fn
+    q8, sq = _quantize(b.q.cpu(), enc, True)
+    cache8 = (b.cache / 8).to(enc)
+    sk = sv = torch.tensor([8.0])
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                      backend=backend)
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+           q_data_type=enc, kv_data_type=enc, o_data_type=torch.float16)
+    out = w.run(q8.to(device), cache8, scale_q=sq.to(device), scale_k=sk.to(device), scale_v=sv.to(device))
+    assert out.dtype == torch.float16
+    ref, _ = reference.batch_paged(_dequant(q8, sq).to(device), cache8.double() * 8, b.qo_indptr, b.kv_indptr,
+                                   b.kv_indices, b.last_page_len, causal=True)
+    assert rel_err(out, ref) < 5e-2
+
+
+def test_fp8_attention_refusals(device):
+    enc = torch.float8_e4m3fn
+    q8 = torch.randn(4, 8, 64).to(enc).to(device)
+    k8 = torch.randn(10, 2, 64).to(enc).to(device)
+    one = torch.ones(1, device=device)
+    with pytest.raises(ValueError, match="scale_k has shape \\(3,\\).*\\[1\\] \\(per tensor\\) or \\[2\\]"):
+        _single(q8, k8, k8, one, torch.ones(3, device=device), one)
+    with pytest.raises(ValueError, match="scale_q has shape \\(1,\\) and dtype torch.float16"):
+        _single(q8, k8, k8, one.half(), one, one)
+    with pytest.raises(ValueError, match="scaled twice"):
+        serveattn.single_prefill_with_kv_cache(q8, k8, k8, scale_q=one, k_scale=2.0, backend="triton")
+    with pytest.raises(NotImplementedError, match="an fp8 query\\) is served with an fp8 KV cache only"):
+        serveattn.single_prefill_with_kv_cache(q8, k8.half(), k8.half(), backend="triton")
+    with pytest.raises(NotImplementedError, match="with an fp8 query is not served"):
+        serveattn.single_prefill_with_kv_cache(q8, k8, k8, pos_encoding_mode="ROPE_LLAMA", backend="triton")
+    with pytest.raises(ValueError, match="apply to an fp8 query; this query is torch.float16"):
+        serveattn.single_prefill_with_kv_cache(q8.half(), k8, k8, scale_k=one, backend="triton")
+    if device != "cpu":
+        return
+    with pytest.raises(ValueError, match="a descale must be on"):
+        _single(q8, k8, k8, one, one, torch.ones(1, device="meta"))
