@@ -6,6 +6,8 @@ CPU tensors, because on a GPU they would synchronise the stream on every decode 
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
@@ -53,9 +55,17 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
                           positions: torch.Tensor, paged_kv_cache: PagedCache, kv_indices: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str = "NHD",
-                          *, backend: str = "auto") -> None:
+                          *, k_scale=None, v_scale=None, backend: str = "auto") -> None:
     """Writes token t of append_key/append_value into the cache, in place, at request batch_indices[t],
-    position positions[t]: page kv_indices[kv_indptr[b] + pos // page_size], slot pos % page_size."""
+    position positions[t]: page kv_indices[kv_indptr[b] + pos // page_size], slot pos % page_size.
+
+    K/V of the cache's dtype are copied as they are. 16-bit (float16/bfloat16) K/V appended into an fp8
+    cache are quantized with k_scale / v_scale (Python floats or one-element float32 tensors on the cache's
+    device; the real value of a stored element is fp8 * scale, as in `run`): the stored value is
+    x / scale computed in float32, saturated to the format's largest finite value (448 for float8_e4m3fn,
+    57344 for float8_e5m2, also for +-inf), rounded to the nearest fp8 value with ties to even; NaN is
+    stored as the canonical NaN 0x7F. Both backends store the same bits.
+    """
     entry = "append_paged_kv_cache"
     k_cache, v_cache = _split_cache(entry, paged_kv_cache, kv_layout)
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -67,9 +77,24 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
             policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; expected [nnz, {num_kv_heads}, {head_dim}] "
                                  f"(num_kv_heads and head_dim of the cache).")
     policy.check_same_kv_dtype(entry, append_key, append_value)
-    if append_key.dtype != k_cache.dtype:
+    quantize = append_key.dtype in policy.HALF_DTYPES and k_cache.dtype in policy.FP8_DTYPES
+    if quantize:
+        if k_scale is None or v_scale is None:
+            missing = " and ".join(n for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is None)
+            policy.refuse(entry, f"append_key has dtype {append_key.dtype} but paged_kv_cache has {k_cache.dtype}; "
+                                 f"quantizing 16-bit K/V into an fp8 cache needs both k_scale and v_scale "
+                                 f"({missing} not given): the stored value is x / scale, the real value "
+                                 f"fp8 * scale.")
+    elif append_key.dtype != k_cache.dtype:
         policy.refuse(entry, f"append_key has dtype {append_key.dtype} but paged_kv_cache has {k_cache.dtype}; "
-                             f"appended K/V must have the cache's dtype.")
+                             f"appended K/V must have the cache's dtype, or be float16/bfloat16 into an fp8 cache "
+                             f"(quantized with k_scale and v_scale).")
+    elif k_scale is not None or v_scale is not None:
+        given = " and ".join(n for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None)
+        policy.refuse(entry, f"{given} given, but append_key and paged_kv_cache are both {k_cache.dtype}: "
+                             f"the values are copied as they are and a scale would be ignored. k_scale/v_scale "
+                             f"only apply when float16/bfloat16 K/V are quantized into an fp8 cache; drop them "
+                             f"here (an fp8 cache's scales are given to run()).")
     nnz = append_key.shape[0]
     if append_value.shape[0] != nnz:
         policy.refuse(entry, f"append_value has {append_value.shape[0]} tokens but append_key has {nnz}.")
@@ -88,6 +113,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     policy.check_same_device(entry, device, append_key=append_key, append_value=append_value,
                              batch_indices=batch_indices, positions=positions, kv_indices=kv_indices,
                              kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+    if quantize:
+        k_scale = _check_scale(entry, "k_scale", k_scale, device)
+        v_scale = _check_scale(entry, "v_scale", v_scale, device)
     if device.type == "cpu":
         _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size)
     chosen = _backend.resolve(entry, backend, device)
@@ -96,13 +124,53 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     if chosen == "triton":
         from .kernels import page as page_kernels
         page_kernels.append(_unit_last_stride(append_key), _unit_last_stride(append_value), batch_indices,
-                            positions, k_cache, v_cache, kv_indices, kv_indptr)
+                            positions, k_cache, v_cache, kv_indices, kv_indptr,
+                            k_scale=k_scale if quantize else None, v_scale=v_scale if quantize else None)
     else:
         pos = positions.long()
         page = kv_indices.long()[kv_indptr.long()[batch_indices.long()] + pos // page_size]
         slot = pos % page_size
+        if quantize:
+            append_key = _quantize_torch(append_key, k_scale, k_cache.dtype)
+            append_value = _quantize_torch(append_value, v_scale, v_cache.dtype)
         k_cache[page, slot] = append_key
         v_cache[page, slot] = append_value
+
+
+def _check_scale(entry, name, scale, device):
+    """A quantization scale as a float32-exact Python float, or as a one-element float32 tensor on `device`.
+    Values are checked for Python floats and CPU tensors; reading a GPU tensor would synchronise."""
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32 or scale.numel() != 1:
+            policy.refuse(entry, f"{name} is a tensor of dtype {scale.dtype} and shape {tuple(scale.shape)}; "
+                                 f"a tensor scale must be one float32 element (or pass a Python float).")
+        policy.check_same_device(entry, device, **{name: scale})
+        if scale.device.type == "cpu":
+            value = float(scale.reshape(()))
+            if not (math.isfinite(value) and value > 0):
+                policy.refuse(entry, f"{name}={value!r}; a scale must be a positive finite float32 value.")
+        return scale.reshape(())
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        policy.refuse(entry, f"{name} must be a Python float or a one-element float32 tensor, "
+                             f"got {type(scale).__name__}.")
+    try:  # the float32 the quotient is computed with, on both backends
+        value = torch.tensor(float(scale), dtype=torch.float32).item()
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        policy.refuse(entry, f"{name}={scale!r} is {value!r} in float32; a scale must be a positive finite "
+                             f"float32 value.")
+    return value
+
+
+def _quantize_torch(x, scale, dtype):
+    """x / scale in float32 (a true division: a tensor divisor on x's device, never a reciprocal),
+    saturated, NaN made canonical, then torch's float32 -> fp8 conversion (round to nearest even)."""
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.full((), scale, dtype=torch.float32, device=x.device)
+    fmax = torch.finfo(dtype).max
+    q = (x.float() / scale).clamp_(-fmax, fmax)  # clamp keeps NaN
+    return q.masked_fill_(torch.isnan(q), float("nan")).to(dtype)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

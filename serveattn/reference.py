@@ -189,3 +189,36 @@ def merge_states(v: torch.Tensor, s: torch.Tensor):
     weight = torch.exp2(s64 - shift[:, None])
     contrib = torch.where(weight[..., None] > 0, weight[..., None] * v64, torch.zeros_like(v64))
     return contrib.sum(dim=1), merged
+
+
+# (mantissa bits, exponent bias, largest finite value) of the OCP fp8 encodings
+FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.0)}
+
+
+def quantize_fp8(x: torch.Tensor, scale, dtype: torch.dtype) -> torch.Tensor:
+    """What `append_paged_kv_cache` stores for 16-bit x in an fp8 cache of `dtype` with `scale`.
+
+    q = x / scale as an IEEE float32 division (scale rounded to float32 first; computing the quotient in
+    float64 and rounding it to float32 gives exactly that, because 53 >= 2 * 24 + 2 bits), saturated to
+    the format's largest finite value, then rounded to the nearest fp8 value, ties to an even mantissa,
+    worked out bit by bit in float64. NaN becomes the canonical NaN 0x7F. Returns a CPU tensor of `dtype`.
+    """
+    mbits, bias, fmax = FP8_FORMATS[dtype]
+    s = float(torch.tensor(_as_float(scale), dtype=torch.float32))
+    q = (x.detach().cpu().to(torch.float64) / s).to(torch.float32).to(torch.float64)
+    nan = torch.isnan(q)
+    q = torch.where(nan, 0.0, q.clamp(-fmax, fmax))
+    negative = torch.signbit(q)
+    a = q.abs()
+    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): a lies in the binade [2**(e-1), 2**e)
+    e = (e - 1).clamp(min=1 - bias)  # fp8 subnormals share the smallest normal binade's spacing
+    quantum = torch.ldexp(torch.ones_like(a), e - mbits)  # spacing of fp8 values in that binade
+    r = torch.round(a / quantum)  # exact division by a power of two; torch.round: half to even
+    carry = r == 2 ** (mbits + 1)  # rounded up into the next binade
+    e, r = torch.where(carry, e + 1, e), torch.where(carry, 2 ** mbits, r)
+    normal = r >= 2 ** mbits
+    field = torch.where(normal, e + bias, 0).to(torch.int64)
+    mant = torch.where(normal, r - 2 ** mbits, r).to(torch.int64)
+    bits = (negative.to(torch.int64) << 7) | (field << mbits) | mant
+    bits = torch.where(nan, 0x7F, bits)
+    return bits.to(torch.uint8).view(dtype)

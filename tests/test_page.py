@@ -1,9 +1,14 @@
 """Paged KV cache utilities: append (both backends, bitwise against the reference), index helpers, packbits."""
+import math
+
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from serveattn import page, reference
+from serveattn.kernels import page as page_kernels
 from serveattn.quantization import packbits, segment_packbits
 
 I32 = torch.int32
@@ -110,6 +115,187 @@ def test_append_nothing_and_auto_backend():
     assert torch.equal(cache, before)
 
 
+# ---------------------------------------------------------------- quantizing append into an fp8 cache
+
+FP8_ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def every_value(dtype, gen):
+    """All 65536 bit patterns of a 16-bit dtype (normals, subnormals, +-0, +-inf, NaNs), shuffled."""
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    return bits[torch.randperm(1 << 16, generator=gen)].view(dtype)
+
+
+def fp8_grid(enc):
+    """The non-negative finite fp8 values, ascending, in float64."""
+    grid = torch.arange(128, dtype=torch.int32).to(torch.uint8).view(enc).double()
+    return grid[torch.isfinite(grid)].sort().values
+
+
+def fp8_fields(q, enc):
+    """(exponent field, mantissa field) of fp8 values."""
+    mbits = reference.FP8_FORMATS[enc][0]
+    b = q.view(torch.uint8).to(torch.int32)
+    return (b >> mbits) & (0x7F >> mbits), b & ((1 << mbits) - 1)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("enc", FP8_ENCODINGS)
+def test_append_quantizes_into_fp8_bitwise(enc, in_dtype, layout, device):
+    """Every 16-bit value, as K with a power-of-two scale (so fp8 midpoints are exact ties) and as V with
+    an arbitrary scale: the Triton kernel, the torch path and the float64 quantizer store the same bits."""
+    seed = 10 * FP8_ENCODINGS.index(enc) + 2 * (in_dtype == torch.bfloat16) + (layout == "HND")
+    heads, head_dim, page_size = 2, 64, 16
+    old_lens, append_lens = [3, 0, 20, 7, 5], [200, 0, 150, 162, 0]  # 512 tokens = 65536 / (2 * 64)
+    g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(seed, page_size, old_lens, append_lens)
+    nnz = sum(append_lens)
+    seq_lens = page.get_seq_lens(kv_indptr, last, page_size)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+    order = torch.randperm(nnz, generator=g)
+    batch_indices, positions = batch_indices[order].contiguous(), positions[order].contiguous()
+    key = every_value(in_dtype, g).reshape(nnz, heads, head_dim)
+    value = every_value(in_dtype, g).reshape(nnz, heads, head_dim)
+    k_scale = 2.0 ** -3
+    v_scale = 0.0371 if enc == torch.float8_e4m3fn else 2.3e-3
+    form = ["tensor", "tuple_view"][seed % 2]
+    cache, bufs, (pages, cols) = make_cache(g, form, layout, num_pages, page_size, heads, head_dim, enc, device)
+
+    k8, v8 = reference.quantize_fp8(key, k_scale, enc), reference.quantize_fp8(value, v_scale, enc)
+    cpu_cache = tuple(c.cpu() for c in cache) if isinstance(cache, tuple) else cache.cpu()
+    want = reference.append_paged_kv_cache(k8, v8, batch_indices, positions, cpu_cache, kv_indices, kv_indptr, last,
+                                           layout)
+    # The sweep holds what the test is about (checked on the float64 side, in the quantized values).
+    fmax = reference.FP8_FORMATS[enc][2]
+    k64 = key.double() / k_scale
+    exp_field, mant = fp8_fields(k8, enc)
+    grid = fp8_grid(enc)
+    a = k64.abs().clamp(max=fmax).nan_to_num(0.0)
+    above = torch.searchsorted(grid, a).clamp(1, grid.numel() - 1)
+    tie = (a > 0) & (a == (grid[above - 1] + grid[above]) / 2)  # exactly between two fp8 neighbours
+    assert int(tie.sum()) > 100 and bool((mant[tie] % 2 == 0).all())  # ties went to the even neighbour
+    assert int(((exp_field == 0) & (mant != 0)).sum()) > 100  # fp8 subnormals
+    assert bool((k8.double().abs()[k64.abs() > fmax] == fmax).all()) and int((k64.abs() > fmax).sum()) > 100
+    assert bool((k8.view(torch.uint8)[torch.isnan(key)] == 0x7F).all()) and bool(torch.isnan(key).any())
+
+    bufs_before = [b.clone() for b in bufs]
+    for backend in ("torch", "triton"):
+        for b, b0 in zip(bufs, bufs_before):
+            b.copy_(b0)
+        scales = (k_scale, v_scale) if backend == "torch" else \
+            tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in (k_scale, v_scale))
+        if backend == "triton" and seed % 4 >= 2:  # a 0-d tensor too
+            scales = (scales[0], torch.tensor(v_scale, dtype=torch.float32, device=device))
+        page.append_paged_kv_cache(key.to(device), value.to(device), batch_indices.to(device), positions.to(device),
+                                   cache, kv_indices.to(device), kv_indptr.to(device), last.to(device), layout,
+                                   k_scale=scales[0], v_scale=scales[1], backend=backend)
+        for got, expected in zip(as_tuple(cache), as_tuple(want)):
+            assert torch.equal(got.cpu().view(torch.uint8), expected.view(torch.uint8)), backend
+        for b, b0 in zip(bufs, bufs_before):  # nothing around the view was written
+            outside = torch.ones(b.shape, dtype=torch.bool)
+            outside[pages, ..., cols] = False
+            assert torch.equal(b.cpu().view(torch.uint8)[outside], b0.cpu().view(torch.uint8)[outside])
+
+
+# Worked out by hand: x, and the fp8 bits of x / scale (sign | exponent field | mantissa).
+BY_HAND = {
+    torch.float8_e4m3fn: (1.0, [  # bias 7, 3 mantissa bits: 1.0 = 0x38, subnormals k * 2^-9, max 448 = 0x7E
+        (1.0625, 0x38),  # tie between 1 and 1.125: to the even mantissa, 1
+        (1.1875, 0x3A),  # tie between 1.125 and 1.25: 1.25
+        (0.2998046875, 0x2A),  # 9.59 * 2^-5 -> 10 * 2^-5 = 0.3125
+        (448.0, 0x7E), (464.0, 0x7E), (1e4, 0x7E), (-float("inf"), 0xFE),  # saturated (480 would be NaN)
+        (2.0 ** -10, 0x00),  # tie between 0 and the smallest subnormal 2^-9: 0
+        (3 * 2.0 ** -10, 0x02),  # tie between 1 and 2 * 2^-9: 2
+        (15 * 2.0 ** -10, 0x08),  # tie between 7 * 2^-9 and 2^-6 (the smallest normal): 2^-6
+        (-2.0 ** -11, 0x80), (-0.0, 0x80), (float("nan"), 0x7F)]),
+    torch.float8_e5m2: (0.5, [  # bias 15, 2 mantissa bits: 1.0 = 0x3C, subnormals k * 2^-16, max 57344 = 0x7B
+        (0.5625, 0x3C),  # x / s = 1.125, tie between 1 and 1.25: 1
+        (0.6875, 0x3E),  # 1.375, tie between 1.25 and 1.5: 1.5
+        (0.1500244140625, 0x35),  # 0.30005 = 4.8 * 2^-4 -> 5 * 2^-4
+        (28672.0, 0x7B), (30720.0, 0x7B), (6e4, 0x7B), (-float("inf"), 0xFB),  # 61440 would round to inf
+        (2.0 ** -18, 0x00),  # 2^-17, tie between 0 and 2^-16: 0
+        (3 * 2.0 ** -18, 0x02),  # 3 * 2^-17: 2 * 2^-16
+        (7 * 2.0 ** -18, 0x04),  # 3.5 * 2^-16: 4 * 2^-16 = 2^-14, the smallest normal
+        (-2.0 ** -18, 0x80), (-0.0, 0x80), (float("nan"), 0x7F)]),
+}
+
+
+@pytest.mark.parametrize("enc", FP8_ENCODINGS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_quantizes_by_hand(backend, enc, device):
+    scale, table = BY_HAND[enc]
+    x = torch.tensor([v for v, _ in table], dtype=torch.float16)
+    bits = [b for _, b in table]
+    assert reference.quantize_fp8(x, scale, enc).view(torch.uint8).tolist() == bits
+    n = x.numel()
+    cache = torch.zeros(1, 2, n, 1, 64, dtype=enc, device=device)
+    key = x[:, None, None].expand(n, 1, 64).contiguous().to(device)
+    i32 = dict(dtype=I32, device=device)
+    page.append_paged_kv_cache(key, -key, torch.zeros(n, **i32), torch.arange(n, **i32), cache,
+                               torch.zeros(1, **i32), torch.tensor([0, 1], **i32), torch.tensor([n], **i32),
+                               k_scale=scale, v_scale=scale, backend=backend)
+    got = cache.cpu().view(torch.uint8)
+    assert got[0, 0, :, 0, 0].tolist() == bits
+    assert bool((got[0, 0, :, 0, :] == got[0, 0, :, 0, :1]).all())
+    assert got[0, 1, :, 0, 0].tolist() == [b if b == 0x7F else b ^ 0x80 for b in bits]  # -x: the sign flips
+
+
+@pytest.mark.parametrize("enc", FP8_ENCODINGS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_quantizes_bf16_subnormals(backend, enc, device):
+    """bf16 subnormals (below 2^-126) under a scale that brings them into the fp8 range: the widening to
+    float32 must be exact (the interpreter's own bf16 -> fp32 conversion garbles these)."""
+    bits = torch.arange(-127, 128, dtype=torch.int32)
+    bits = torch.where(bits < 0, 0x8000 - bits, bits).to(torch.int16)  # +-1..127: every subnormal, and 0
+    x = bits.view(torch.bfloat16)
+    n = x.numel()
+    key = x[:, None, None].expand(n, 1, 64).contiguous().to(device)
+    cache = torch.zeros(1, 2, n, 1, 64, dtype=enc, device=device)
+    i32 = dict(dtype=I32, device=device)
+    scale = 2.0 ** -125 if enc == torch.float8_e4m3fn else 2.0 ** -118
+    page.append_paged_kv_cache(key, key, torch.zeros(n, **i32), torch.arange(n, **i32), cache, torch.zeros(1, **i32),
+                               torch.tensor([0, 1], **i32), torch.tensor([n], **i32), k_scale=scale, v_scale=scale,
+                               backend=backend)
+    want = reference.quantize_fp8(x, scale, enc).view(torch.uint8)
+    assert int((want & 0x7F).count_nonzero()) > 100  # most of them are not rounded to zero
+    assert torch.equal(cache[0, 0, :, 0, 0].cpu().view(torch.uint8), want)
+
+
+@triton.jit
+def _quantizer_kernel(x_ptr, out_ptr, n, scale, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(out_ptr + i, page_kernels._quantize(x, scale, FP8_MAX, out_ptr.dtype.element_ty), mask=i < n)
+
+
+def test_triton_quantizer_on_float32_values(device):
+    """The kernel's quantizer (float32 quotient, saturation, fp8 rounding) on random float32 bit patterns and
+    on the exact midpoints between fp8 values (and their float32 neighbours), against the float64 quantizer:
+    under the interpreter this checks the encoder workaround, on a GPU the hardware conversion."""
+    g = torch.Generator().manual_seed(21)
+    rand = torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    for enc in FP8_ENCODINGS:
+        fmax = reference.FP8_FORMATS[enc][2]
+        grid = fp8_grid(enc)
+        grid = torch.cat([-grid.flip(0), grid])
+        grid = torch.cat([grid, torch.tensor([2 * fmax - grid[-2].item()], dtype=torch.float64)])  # past max
+        mids = ((grid[1:] + grid[:-1]) / 2).float()  # exact in float32
+        near = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, math.inf)),
+                          torch.nextafter(mids, torch.full_like(mids, -math.inf))])
+        for scale in (1.0, 0.0371):
+            s32 = torch.tensor(scale, dtype=torch.float32).double()
+            # x / scale within an ulp or two of a midpoint: a reciprocal multiply or an approximate divide
+            # would round some of these quotients to the other side
+            times = (near.double() * s32).float()
+            times = torch.cat([times, torch.nextafter(times, times * 2), torch.nextafter(times, times / 2)])
+            x = torch.cat([rand.view(torch.float32), near, times]).to(device)
+            out = torch.empty(x.numel(), dtype=enc, device=device)
+            block = 1 << 14
+            _quantizer_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), scale, FP8_MAX=fmax, BLOCK=block)
+            want = reference.quantize_fp8(x.cpu(), scale, enc)
+            assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), (enc, scale)
+
+
 def test_get_batch_indices_positions_by_hand(device):
     append_indptr = torch.tensor([0, 1, 3, 3, 6, 10], dtype=I32, device=device)
     seq_lens = torch.tensor([5, 5, 2, 3, 4], dtype=I32, device=device)
@@ -185,6 +371,15 @@ def first_to(value):
     return lambda t: torch.where(torch.arange(t.numel()) == 0, value, t).to(I32)
 
 
+def to_fp8(t):
+    return t.to(torch.float8_e4m3fn)
+
+
+def fp8_scales(k_scale, v_scale):
+    """16-bit K/V into an fp8 cache with the given scales."""
+    return changed(paged_kv_cache=to_fp8, k_scale=lambda _: k_scale, v_scale=lambda _: v_scale)
+
+
 @pytest.mark.parametrize("mutate,error,match", [
     (changed(batch_indices=torch.Tensor.long), ValueError,
      r"batch_indices has dtype torch.int64; index tensors must be int32"),
@@ -196,7 +391,33 @@ def first_to(value):
     (changed(append_value=torch.Tensor.bfloat16), ValueError, r"K and V must share one dtype"),
     (changed(kv_layout=lambda _: "NDH"), ValueError, r"kv_layout='NDH' is not a layout; supported: 'NHD', 'HND'"),
     (changed(paged_kv_cache=lambda c: c.to(torch.float8_e4m3fn)), ValueError,
-     r"append_key has dtype torch.float16 but paged_kv_cache has torch.float8_e4m3fn"),
+     r"append_key has dtype torch.float16 but paged_kv_cache has torch.float8_e4m3fn; quantizing 16-bit K/V "
+     r"into an fp8 cache needs both k_scale and v_scale \(k_scale and v_scale not given\)"),
+    (changed(paged_kv_cache=lambda c: c.to(torch.float8_e5m2), k_scale=lambda _: 0.5), ValueError,
+     r"needs both k_scale and v_scale \(v_scale not given\)"),
+    (changed(k_scale=lambda _: 0.5, v_scale=lambda _: 0.5), ValueError,
+     r"k_scale and v_scale given, but append_key and paged_kv_cache are both torch.float16: the values are "
+     r"copied as they are and a scale would be ignored"),
+    (changed(append_key=to_fp8, append_value=to_fp8, paged_kv_cache=to_fp8, v_scale=lambda _: 2.0), ValueError,
+     r"v_scale given, but append_key and paged_kv_cache are both torch.float8_e4m3fn"),
+    (changed(append_key=torch.Tensor.float, append_value=torch.Tensor.float, paged_kv_cache=to_fp8,
+             k_scale=lambda _: 1.0, v_scale=lambda _: 1.0), ValueError,
+     r"append_key has dtype torch.float32 but paged_kv_cache has torch.float8_e4m3fn; appended K/V must have "
+     r"the cache's dtype, or be float16/bfloat16 into an fp8 cache"),
+    (fp8_scales(0.0, 1.0), ValueError, r"k_scale=0.0 is 0.0 in float32; a scale must be a positive finite"),
+    (fp8_scales(1.0, -2.0), ValueError, r"v_scale=-2.0 is -2.0 in float32; a scale must be a positive"),
+    (fp8_scales(float("nan"), 1.0), ValueError, r"k_scale=nan is nan in float32"),
+    (fp8_scales(1.0, float("inf")), ValueError, r"v_scale=inf is inf in float32"),
+    (fp8_scales(1e-50, 1.0), ValueError, r"k_scale=1e-50 is 0.0 in float32"),
+    (fp8_scales(1e39, 1.0), ValueError, r"k_scale=1e\+39 is inf in float32"),
+    (fp8_scales(10**400, 1.0), ValueError, r"k_scale=1000.* is inf in float32"),
+    (fp8_scales("0.5", 1.0), ValueError, r"k_scale must be a Python float or a one-element float32 tensor, got str"),
+    (fp8_scales(True, 1.0), ValueError, r"k_scale must be a Python float or a one-element float32 tensor, got bool"),
+    (fp8_scales(torch.tensor([0.5], dtype=torch.float64), 1.0), ValueError,
+     r"k_scale is a tensor of dtype torch.float64 and shape \(1,\); a tensor scale must be one float32 element"),
+    (fp8_scales(1.0, torch.tensor([0.5, 0.5])), ValueError, r"v_scale is a tensor of dtype torch.float32 and shape \(2,\)"),
+    (fp8_scales(1.0, torch.tensor(0.0)), ValueError, r"v_scale=0.0; a scale must be a positive finite float32 value"),
+    (fp8_scales(torch.tensor([float("inf")]), 1.0), ValueError, r"k_scale=inf; a scale must be a positive finite"),
     (changed(paged_kv_cache=torch.Tensor.float), NotImplementedError,
      r"paged_kv_cache dtype torch.float32 is not served"),
     (changed(paged_kv_cache=lambda c: c[:, 0]), ValueError, r"a single-tensor cache is 5-D"),
