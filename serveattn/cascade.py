@@ -14,7 +14,7 @@ import torch
 
 from . import backend as backends
 from . import policy
-from .prefill import _ARRAYS, BatchPrefillWithPagedKVCacheWrapper, make_plan, split_paged_cache
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, make_plan, split_paged_cache
 
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NEG_INF = float("-inf")
@@ -148,25 +148,8 @@ _LEVEL_ARRAYS = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
 def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan) -> None:
     """The refusals that a level's commit would raise under use_cuda_graph=True, made up front: a level's
     commit overwrites its captured buffers, so every level must be known to pass before the first commits."""
-    if plan.backend != "triton":
-        return
-    if level._graph_bufs is None:
-        bufs = level._allocate_graph_buffers(entry, plan)
-    else:
-        bufs = level._graph_bufs
-        if plan.static_signature() != level._graph_signature:
-            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
-                                 "page tables; heads, head dim, dtypes, page size, causal mode, window, soft cap, "
-                                 "sm_scale and positional encoding must stay as first planned.")
-        if level._graph_q_rows is not None and plan.total_q > level._graph_q_rows:
-            policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
-                                 f"the captured q holds {level._graph_q_rows}.")
-    for name in _ARRAYS:
-        t = getattr(plan, name)
-        if t is not None and t.numel() > bufs[name].numel():
-            policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its {name} "
-                                 f"buffer, which holds {bufs[name].numel()}; give larger buffers (or workspace) "
-                                 f"at construction.")
+    if plan.backend == "triton":
+        level.check_graph_plan(entry, plan)
 
 
 class MultiLevelCascadeAttentionWrapper:

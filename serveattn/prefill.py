@@ -295,24 +295,7 @@ class _PrefillWrapper:
 
     def _install_graph_plan(self, plan: Plan) -> Plan:
         """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
-        entry = self._entry + ".plan"
-        if self._graph_bufs is None:
-            bufs = self._allocate_graph_buffers(entry, plan)
-        else:
-            bufs = self._graph_bufs
-            if plan.static_signature() != self._graph_signature:
-                policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
-                                     "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
-                                     "soft cap, sm_scale and positional encoding must stay as first planned.")
-            if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
-                policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
-                                     f"the captured q holds {self._graph_q_rows}.")
-        for name in _ARRAYS:
-            t = getattr(plan, name)
-            if t is not None and t.numel() > bufs[name].numel():
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its "
-                                     f"{name} buffer, which holds {bufs[name].numel()}; give larger buffers "
-                                     f"(or workspace) at construction.")
+        bufs = self.check_graph_plan(self._entry + ".plan", plan)
         # Every check passed: only now are the captured buffers overwritten.
         for name in _ARRAYS:
             t = getattr(plan, name)
@@ -320,6 +303,31 @@ class _PrefillWrapper:
                 bufs[name][: t.numel()].copy_(t, non_blocking=True)
         self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
         return replace(plan, **{n: bufs[n] for n in _ARRAYS if getattr(plan, n) is not None})
+
+    def check_graph_plan(self, entry: str, plan: Plan) -> dict:
+        """Every refusal installing `plan` under use_cuda_graph=True could raise, raised before any write;
+        returns the fixed buffers the plan would be written into (the cascade wrapper checks all its levels
+        with this before the first level commits)."""
+        if self._graph_bufs is None:
+            return self._checked_sizes(entry, plan, self._allocate_graph_buffers(entry, plan))
+        if plan.static_signature() != self._graph_signature:
+            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
+                                 "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
+                                 "soft cap, sm_scale and positional encoding must stay as first planned.")
+        if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
+            policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
+                                 f"the captured q holds {self._graph_q_rows}.")
+        return self._checked_sizes(entry, plan, self._graph_bufs)
+
+    @staticmethod
+    def _checked_sizes(entry: str, plan: Plan, bufs: dict) -> dict:
+        for name in _ARRAYS:
+            t = getattr(plan, name)
+            if t is not None and t.numel() > bufs[name].numel():
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its "
+                                     f"{name} buffer, which holds {bufs[name].numel()}; give larger buffers "
+                                     f"(or workspace) at construction.")
+        return bufs
 
     def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
         """The fixed buffers: the caller's where given, the work list in the workspace, else sized by this plan."""
