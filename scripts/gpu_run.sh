@@ -5,16 +5,17 @@
 #   scripts/gpu_run.sh tests                 # only the GPU tests
 #   scripts/gpu_run.sh bench-prefill         # only the prefill benchmark
 #   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
+#   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
 # Steps: env (GPU, versions), tests (the whole suite on the GPU: the grid at CUDA, plus the @gpu tests), bench-prefill (python -m serveattn.bench prefill),
 # bench-prefill-quick (the same with --quick), bench-decode (python -m serveattn.bench decode), bench-decode-quick
-# (the same with --quick); BENCH_ARGS goes to every bench step. No network there: the package runs from PYTHONPATH, nothing
-# is installed. Every step runs under `timeout` (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so the whole call
-# stays well under the 10-minute limit; a failing step does not stop the next one, and the exit codes of
-# all steps are printed at the end (and written to $OUT/summary.txt). Exit status: 0 only if every step
-# passed.
+# (the same with --quick), bench-fp8 (python -m serveattn.bench fp8), bench-fp8-quick (the same with --quick);
+# BENCH_ARGS goes to every bench step. No network there: the package runs from PYTHONPATH, nothing is installed.
+# Every step runs under `timeout` (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so the whole call stays well under the
+# 10-minute limit; a failing step does not stop the next one, and the exit codes of all steps are printed at the end
+# (and written to $OUT/summary.txt). Exit status: 0 only if every step passed.
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -31,8 +32,8 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests bench-prefill)
 for s in "${STEPS[@]}"; do
   case "$s" in
-    env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick" >&2; exit 2 ;;
+    env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick" >&2; exit 2 ;;
   esac
 done
 
@@ -99,6 +100,8 @@ for s in "${STEPS[@]}"; do
     bench-prefill-quick) step_bench "--quick" bench-prefill-quick ;;
     bench-decode) step_bench "" bench-decode decode ;;
     bench-decode-quick) step_bench "--quick" bench-decode-quick decode ;;
+    bench-fp8) step_bench "" bench-fp8 fp8 ;;
+    bench-fp8-quick) step_bench "--quick" bench-fp8-quick fp8 ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

@@ -20,6 +20,7 @@ FAMILIES = {
     "decode": ("serveattn.bench.decode",
                "batch decode (paged wrapper, CUDA-core / tensor-core, eager / CUDA graph) vs cuDNN/flash SDPA, "
                "FlexAttention, FlashInfer; K/V TB/s"),
+    "fp8": ("serveattn.bench.fp8", "fp8 e4m3 KV decode, fp8 q+KV prefill vs our bf16 on the same data, cuDNN SDPA"),
 }
 
 
