@@ -13,6 +13,8 @@ from .prefill import (
     single_prefill_with_kv_cache_return_lse,
 )
 from .quantization import packbits, segment_packbits
+from .sampling import chain_speculative_sampling, tree_speculative_sampling
+from .spec_tree import tree_parents_to_mask
 
 __version__ = "0.1.0"
 
@@ -27,10 +29,13 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "append_paged_kv_cache",
+    "chain_speculative_sampling",
     "get_batch_indices_positions",
     "get_seq_lens",
     "packbits",
     "segment_packbits",
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
+    "tree_parents_to_mask",
+    "tree_speculative_sampling",
 ]

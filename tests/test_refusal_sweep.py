@@ -228,6 +228,34 @@ def test_index_helper_refusals(device):
             call(device)
 
 
+def _probs(device, dtype, n=2, vocab=8):
+    return torch.softmax(torch.randn(3, n, vocab), -1).to(dtype).to(device)
+
+
+SAMPLERS = {
+    "chain_speculative_sampling": lambda device, dtype: serveattn.chain_speculative_sampling(
+        _probs(device, dtype), torch.zeros(3, 2, dtype=I32, device=device), _probs(device, dtype, n=3)),
+    "tree_speculative_sampling": lambda device, dtype: serveattn.tree_speculative_sampling(
+        _probs(device, dtype), torch.zeros(3, 2, dtype=I32, device=device), _probs(device, dtype, n=3),
+        torch.tensor([[-1, 0]] * 3, dtype=I32, device=device)),
+}
+MASK_BUILDERS = {"tree_parents_to_mask": lambda: serveattn.tree_parents_to_mask([[-1, 5]], [4])}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_sampler_refusals(dtype, device):
+    for name, call in SAMPLERS.items():
+        with pytest.raises(NotImplementedError, match="float32"):
+            call(device, dtype)
+
+
+def test_mask_builder_refusals():
+    for name, call in MASK_BUILDERS.items():
+        with pytest.raises(ValueError):
+            call()
+
+
 def test_every_export_is_swept():
-    swept = set(ATTENTION) | set(CACHE_WRITERS) | set(STATE_MERGERS) | set(INDEX_HELPERS)
+    swept = set(ATTENTION) | set(CACHE_WRITERS) | set(STATE_MERGERS) | set(INDEX_HELPERS) | set(SAMPLERS) | \
+        set(MASK_BUILDERS)
     assert swept == set(serveattn.__all__), "a public entry point is missing from the refusal sweep"
