@@ -130,6 +130,23 @@ def _final_token(p: torch.Tensor, q: Optional[torch.Tensor], bits: torch.Tensor)
 
 # ---------------------------------------------------------------- chain
 
+def _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs, target_rows_why):
+    """Shapes, dtypes and devices shared by both samplers; returns (B, n, V, device)."""
+    _check_probs(entry, "draft_probs", draft_probs)
+    _check_probs(entry, "target_probs", target_probs)
+    B, n, V = draft_probs.shape
+    device = draft_probs.device
+    if V < 1:
+        policy.refuse(entry, f"draft_probs has vocab_size {V}; at least 1 is needed.")
+    if tuple(target_probs.shape) != (B, n + 1, V):
+        policy.refuse(entry, f"target_probs has shape {tuple(target_probs.shape)}; expected {(B, n + 1, V)} "
+                             f"({target_rows_why}).")
+    if target_probs.device != device:
+        policy.refuse(entry, f"target_probs is on {target_probs.device} but draft_probs is on {device}.")
+    _check_ids(entry, "draft_token_ids", draft_token_ids, (B, n), V, device)
+    return B, n, V, device
+
+
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                                target_probs: torch.Tensor,
                                maybe_output_accepted_token_num: Optional[torch.Tensor] = None,
@@ -155,18 +172,8 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     (int32 [B]) the counts are added to them in place and they are returned.
     """
     entry = "chain_speculative_sampling"
-    _check_probs(entry, "draft_probs", draft_probs)
-    _check_probs(entry, "target_probs", target_probs)
-    B, n, V = draft_probs.shape
-    device = draft_probs.device
-    if V < 1:
-        policy.refuse(entry, f"draft_probs has vocab_size {V}; at least 1 is needed.")
-    if tuple(target_probs.shape) != (B, n + 1, V):
-        policy.refuse(entry, f"target_probs has shape {tuple(target_probs.shape)}; expected {(B, n + 1, V)} "
-                             f"(one more position than draft_probs {tuple(draft_probs.shape)}).")
-    if target_probs.device != device:
-        policy.refuse(entry, f"target_probs is on {target_probs.device} but draft_probs is on {device}.")
-    _check_ids(entry, "draft_token_ids", draft_token_ids, (B, n), V, device)
+    B, n, V, device = _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs,
+                                              "one more position than draft_probs")
     _check_counter(entry, "maybe_output_accepted_token_num", maybe_output_accepted_token_num, B, device)
     _check_counter(entry, "maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num, B, device)
     _check_flag(entry, "deterministic", deterministic)
@@ -273,18 +280,8 @@ def tree_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.
     backend resolves to it.
     """
     entry = "tree_speculative_sampling"
-    _check_probs(entry, "draft_probs", draft_probs)
-    _check_probs(entry, "target_probs", target_probs)
-    B, T, V = draft_probs.shape
-    device = draft_probs.device
-    if V < 1:
-        policy.refuse(entry, f"draft_probs has vocab_size {V}; at least 1 is needed.")
-    if tuple(target_probs.shape) != (B, T + 1, V):
-        policy.refuse(entry, f"target_probs has shape {tuple(target_probs.shape)}; expected {(B, T + 1, V)} "
-                             f"(the root's row, then one row per draft node).")
-    if target_probs.device != device:
-        policy.refuse(entry, f"target_probs is on {target_probs.device} but draft_probs is on {device}.")
-    _check_ids(entry, "draft_token_ids", draft_token_ids, (B, T), V, device)
+    B, T, V, device = _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs,
+                                              "the root's row, then one row per draft node")
     if not isinstance(tree_parents, torch.Tensor) or tree_parents.dtype not in _ID_DTYPES:
         desc = tree_parents.dtype if isinstance(tree_parents, torch.Tensor) else type(tree_parents).__name__
         policy.refuse(entry, f"tree_parents has type {desc}; expected an int32 or int64 tensor of shape {(B, T)}.")
