@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -152,6 +153,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._graph_bufs: Optional[dict] = None
         self._graph_signature = None
         self._graph_route = None
+        self._graph_q_len: Optional[int] = None
+        self._q_len_per_req = 1
         self.backend = None
         self.backend_fallback_reason = None
 
@@ -171,9 +174,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         entry = self._entry + ".plan"
         if unsupported_kwargs:
             policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
-        if q_len_per_req != 1:
-            policy.unsupported(entry, f"q_len_per_req={q_len_per_req} is not served yet; decode serves one "
-                                      f"query row per request.")
+        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
+            policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
+        if self._use_cuda_graph and self._graph_q_len is not None and q_len_per_req != self._graph_q_len:
+            policy.refuse(entry, f"under use_cuda_graph=True q_len_per_req is fixed by the first plan "
+                                 f"({self._graph_q_len}); this plan asks for {q_len_per_req}.")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
             policy.refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per "
                                  f"chunk).")
@@ -183,10 +188,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if route == "triton" and not self._use_tensor_cores and pos_encoding_mode == "ROPE_LLAMA":
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
                                       "construct the wrapper with use_tensor_cores=True.")
-        if route == "torch" or self._use_tensor_cores:
+        # Several draft rows per request (speculative verify) always run on the tensor-core route: the
+        # bandwidth kernel serves one row, so use_tensor_cores=False with q_len_per_req > 1 is routed there too.
+        if route == "torch" or self._use_tensor_cores or q_len_per_req > 1:
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
-                                       q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta)
+                                       q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
+                                       q_len_per_req)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
@@ -199,11 +207,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                 last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1)
         self._install(entry, plan)
         self._prefill = None
+        self._q_len_per_req = 1
+        if self._use_cuda_graph:
+            self._graph_q_len = 1
         self.backend = "triton"
 
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
-                              kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta):
+                              kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1):
+        """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
+        themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata."""
         policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
         wrapper = self._prefill
@@ -217,14 +230,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
             wrapper = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, self._use_cuda_graph,
                                                           backend=route, **kw)
             wrapper._entry = self._entry
-            wrapper._graph_max_qo = 1
-        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
-                     num_kv_heads, head_dim, page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            wrapper._graph_max_qo = q_len_per_req
+        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req, indptr, indices, last_page_len,
+                     num_qo_heads, num_kv_heads, head_dim, page_size, causal=q_len_per_req > 1,
+                     pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                      logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                      rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
                      o_data_type=o_data_type)
         self._prefill = wrapper
         self._plan = None
+        self._q_len_per_req = q_len_per_req
+        if self._use_cuda_graph:
+            self._graph_q_len = q_len_per_req
         self.backend = route
 
     def _install(self, entry: str, plan: DecodePlan) -> None:
@@ -275,8 +292,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale is not None:
             policy.unsupported(entry, "q_scale is not served; an fp8 query takes the descale tensors scale_q, "
                                       "scale_k, scale_v (use_tensor_cores=True).")
-        if q_len_per_req not in (None, 1):
-            policy.unsupported(entry, f"q_len_per_req={q_len_per_req} is not served yet.")
+        if q_len_per_req is not None:
+            warnings.warn("q_len_per_req belongs to plan(); passing it to run() is deprecated.", DeprecationWarning,
+                          stacklevel=2)
+            if q_len_per_req != self._q_len_per_req:
+                policy.refuse(entry, f"q_len_per_req={q_len_per_req} given to run() differs from the plan's "
+                                     f"{self._q_len_per_req}; re-plan instead.")
         if self._prefill is not None:
             return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q,
                                      scale_k=scale_k, scale_v=scale_v, out=out, lse=lse, return_lse=return_lse)

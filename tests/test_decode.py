@@ -162,8 +162,8 @@ def test_decode_refusals(device):
     ws = torch.empty(1 << 16, dtype=torch.uint8, device=device)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
     args = (b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4)
-    with pytest.raises(NotImplementedError, match="q_len_per_req=2 is not served yet"):
-        w.plan(*args, q_data_type=torch.float16, q_len_per_req=2)
+    with pytest.raises(ValueError, match="q_len_per_req=0 must be a positive int"):
+        w.plan(*args, q_data_type=torch.float16, q_len_per_req=0)
     with pytest.raises(NotImplementedError, match="ROPE_LLAMA' is served on the tensor-core route only"):
         w.plan(*args, q_data_type=torch.float16, pos_encoding_mode="ROPE_LLAMA")
     with pytest.raises(NotImplementedError, match="head_dim=80 is not served"):
