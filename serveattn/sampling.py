@@ -130,6 +130,15 @@ def _final_token(p: torch.Tensor, q: Optional[torch.Tensor], bits: torch.Tensor)
 
 # ---------------------------------------------------------------- chain
 
+def _accumulate(accepted, emitted, accepted_out, emitted_out):
+    """FlashInfer's maybe_output_* counters: the counts are added in place and those tensors returned."""
+    if accepted_out is not None:
+        accepted = accepted_out.add_(accepted)
+    if emitted_out is not None:
+        emitted = emitted_out.add_(emitted)
+    return accepted, emitted
+
+
 def _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs, target_rows_why):
     """Shapes, dtypes and devices shared by both samplers; returns (B, n, V, device)."""
     _check_probs(entry, "draft_probs", draft_probs)
@@ -184,12 +193,8 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
         out, accepted, emitted = _chain_triton(draft_probs, draft_token_ids, target_probs, bits)
     else:
         out, accepted, emitted = _chain_torch(draft_probs, draft_token_ids, target_probs, bits)
-    if maybe_output_accepted_token_num is not None:
-        maybe_output_accepted_token_num.add_(accepted)
-        accepted = maybe_output_accepted_token_num
-    if maybe_output_emitted_draft_token_num is not None:
-        maybe_output_emitted_draft_token_num.add_(emitted)
-        emitted = maybe_output_emitted_draft_token_num
+    accepted, emitted = _accumulate(accepted, emitted, maybe_output_accepted_token_num,
+                                    maybe_output_emitted_draft_token_num)
     return out, accepted, emitted
 
 
@@ -305,12 +310,8 @@ def tree_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.
     bits = _random_bits(entry, (B, T + 1), device, generator, seed, offset)
 
     out, accepted, emitted, nodes = _tree_torch(draft_probs, draft_token_ids.long(), target_probs, parents, bits)
-    if maybe_output_accepted_token_num is not None:
-        maybe_output_accepted_token_num.add_(accepted)
-        accepted = maybe_output_accepted_token_num
-    if maybe_output_emitted_draft_token_num is not None:
-        maybe_output_emitted_draft_token_num.add_(emitted)
-        emitted = maybe_output_emitted_draft_token_num
+    accepted, emitted = _accumulate(accepted, emitted, maybe_output_accepted_token_num,
+                                    maybe_output_emitted_draft_token_num)
     if return_accepted_nodes:
         return out, accepted, emitted, nodes
     return out, accepted, emitted

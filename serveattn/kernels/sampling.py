@@ -14,6 +14,16 @@ TWO_POW_M31: tl.constexpr = tl.constexpr(4.656612873077393e-10)  # 2^-31, exact 
 
 
 @triton.jit
+def _final_weights(target, draft, k, V, offs, has_q, TWO_POW_32: tl.constexpr):
+    """Integer weights (units of 2^-32) of the residual max(0, p - q) and of p at position k, vocab offs."""
+    m = offs < V
+    p = tl.load(target + k * V + offs, mask=m, other=0.0)
+    q = tl.load(draft + k * V + offs, mask=m & has_q, other=0.0)
+    r = tl.minimum(tl.maximum(p - q, 0.0), 1.0)
+    return (r * TWO_POW_32).to(tl.int64), (tl.minimum(tl.maximum(p, 0.0), 1.0) * TWO_POW_32).to(tl.int64)
+
+
+@triton.jit
 def chain_speculative_sampling_kernel(draft_ptr, ids_ptr, target_ptr, rand_ptr, out_ptr, accepted_ptr,
                                       emitted_ptr, n, V, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -46,12 +56,9 @@ def chain_speculative_sampling_kernel(draft_ptr, ids_ptr, target_ptr, rand_ptr, 
     total_p = tl.zeros((), dtype=tl.int64)
     for start in range(0, V, BLOCK_V):
         offs = start + offs0
-        m = offs < V
-        p = tl.load(target + k * V + offs, mask=m, other=0.0)
-        q = tl.load(draft + k * V + offs, mask=m & has_q, other=0.0)
-        r = tl.minimum(tl.maximum(p - q, 0.0), 1.0)
-        total_r += tl.sum((r * TWO_POW_32).to(tl.int64), axis=0)
-        total_p += tl.sum((tl.minimum(tl.maximum(p, 0.0), 1.0) * TWO_POW_32).to(tl.int64), axis=0)
+        w_r, w_p = _final_weights(target, draft, k, V, offs, has_q, TWO_POW_32)
+        total_r += tl.sum(w_r, axis=0)
+        total_p += tl.sum(w_p, axis=0)
     use_r = total_r > 0
     total = tl.where(use_r, total_r, total_p)
     u31 = tl.load(rand + n)
@@ -62,11 +69,7 @@ def chain_speculative_sampling_kernel(draft_ptr, ids_ptr, target_ptr, rand_ptr, 
     for start in range(0, V, BLOCK_V):
         offs = start + offs0
         m = offs < V
-        p = tl.load(target + k * V + offs, mask=m, other=0.0)
-        q = tl.load(draft + k * V + offs, mask=m & has_q, other=0.0)
-        r = tl.minimum(tl.maximum(p - q, 0.0), 1.0)
-        w_r = (r * TWO_POW_32).to(tl.int64)
-        w_p = (tl.minimum(tl.maximum(p, 0.0), 1.0) * TWO_POW_32).to(tl.int64)
+        w_r, w_p = _final_weights(target, draft, k, V, offs, has_q, TWO_POW_32)
         w = tl.where(use_r, w_r, w_p)
         cs = tl.cumsum(w, axis=0) + carry
         count += tl.sum(((cs <= threshold) & m).to(tl.int64), axis=0)
