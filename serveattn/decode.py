@@ -21,6 +21,7 @@ from . import backend as backends
 from . import policy
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
+from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
 PROGRAMS_PER_SM = 2
@@ -170,15 +171,30 @@ class BatchDecodeWithPagedKVCacheWrapper:
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
-             q_len_per_req=1, **unsupported_kwargs):
+             q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
+        """FlashInfer's decode plan, plus speculative verify: q_len_per_req=k (chain: k rows per request, the
+        last k KV positions, bottom-right causal among themselves) or tree_parents (one parent array per
+        request, -1 for a child of the prefix, at most 64 nodes; request i's rows are its tree's nodes in
+        order, which are its last len(tree_parents[i]) KV positions; each sees the prefix, its ancestors and
+        itself). Both run on the tensor-core route."""
         entry = self._entry + ".plan"
         if unsupported_kwargs:
             policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
-        if self._use_cuda_graph and self._graph_q_len is not None and q_len_per_req != self._graph_q_len:
-            policy.refuse(entry, f"under use_cuda_graph=True q_len_per_req is fixed by the first plan "
-                                 f"({self._graph_q_len}); this plan asks for {q_len_per_req}.")
+        tree = None
+        if tree_parents is not None:
+            if q_len_per_req != 1:
+                policy.refuse(entry, "give q_len_per_req (a chain) or tree_parents (a tree), not both.")
+            if pos_encoding_mode != "NONE":
+                policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} with tree_parents is not "
+                                          f"served: a tree token's position is its depth, not its index; apply "
+                                          f"RoPE before appending K and passing q.")
+            tree = tree_ancestor_bits(entry, tree_parents)
+        mode = "tree" if tree is not None else q_len_per_req
+        if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
+            policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
+                                 f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
         if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
             policy.refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per "
                                  f"chunk).")
@@ -190,11 +206,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                       "construct the wrapper with use_tensor_cores=True.")
         # Several draft rows per request (speculative verify) always run on the tensor-core route: the
         # bandwidth kernel serves one row, so use_tensor_cores=False with q_len_per_req > 1 is routed there too.
-        if route == "torch" or self._use_tensor_cores or q_len_per_req > 1:
+        if route == "torch" or self._use_tensor_cores or q_len_per_req > 1 or tree is not None:
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-                                       q_len_per_req)
+                                       q_len_per_req, tree)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
@@ -214,11 +230,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
-                              kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1):
+                              kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1,
+                              tree=None):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
-        themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata."""
+        themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
+        tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words."""
         policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
+        if tree is not None:
+            sizes, words = tree
+            if sizes.size != batch:
+                policy.refuse(entry, f"tree_parents has {sizes.size} parent arrays for a batch of {batch}.")
+            qo_indptr = torch.zeros(batch + 1, dtype=torch.int32)
+            qo_indptr[1:] = torch.from_numpy(np.cumsum(sizes)).to(torch.int32)
+            tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
+        else:
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req
+            tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
         wrapper = self._prefill
         if wrapper is None or not self._use_cuda_graph:
             kw = {}
@@ -230,18 +258,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             wrapper = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, self._use_cuda_graph,
                                                           backend=route, **kw)
             wrapper._entry = self._entry
-            wrapper._graph_max_qo = q_len_per_req
-        wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req, indptr, indices, last_page_len,
-                     num_qo_heads, num_kv_heads, head_dim, page_size, causal=q_len_per_req > 1,
-                     pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                     rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                     o_data_type=o_data_type)
+            wrapper._graph_max_qo = max_rows
+        wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                            page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                            rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                            o_data_type=o_data_type, tree_mask=tree_mask)
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req
         if self._use_cuda_graph:
-            self._graph_q_len = q_len_per_req
+            self._graph_q_len = "tree" if tree is not None else q_len_per_req
         self.backend = route
 
     def _install(self, entry: str, plan: DecodePlan) -> None:

@@ -98,12 +98,15 @@ class Plan:
     last_page_len: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
     mask_indptr: Optional[torch.Tensor] = None
+    # native tree verify (the decode wrapper's tree_parents): one int64 ancestor word per query row
+    tree_mask_host: Optional[torch.Tensor] = None
+    tree_mask: Optional[torch.Tensor] = None
 
     def static_signature(self):
         """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
         return (self.paged, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.causal,
                 self.has_mask, self.window_left, self.soft_cap, self.rope, self.sm_scale, self.log2_theta,
-                self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles)
+                self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.tree_mask_host is not None)
 
 
 def build_work(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, block_m: int, causal: bool):
@@ -125,8 +128,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
-              graph_max_qo: Optional[int] = None) -> Plan:
-    """All host-side validation and schedule building; touches no state and no caller buffer."""
+              graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None) -> Plan:
+    """All host-side validation and schedule building; touches no state and no caller buffer.
+
+    tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
+    the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -195,7 +201,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_host[-1]),
         tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
-        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host)
+        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host, tree_mask_host=tree_mask)
     if chosen == "triton":
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         plan.work, plan.num_work_host = work, n
@@ -205,6 +211,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         if mask_host is not None:
             plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(qo_lens, kv_lens),
                                                           bitorder="little")
+        plan.tree_mask = tree_mask
     return plan
 
 
@@ -253,7 +260,8 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
     return k, v
 
 
-_ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr")
+_ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr",
+           "tree_mask")
 
 
 class _PrefillWrapper:
@@ -424,6 +432,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
              o_data_type=None, non_blocking=True, seq_lens=None, **unsupported_kwargs):
         _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                         num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
+                         pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+                         q_data_type, kv_data_type, o_data_type)
+
+    def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                    num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
+                    packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
+                    logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
+                    kv_data_type=None, o_data_type=None, tree_mask=None):
         plan = make_plan(
             self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
             kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
@@ -433,7 +451,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo)
+            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,

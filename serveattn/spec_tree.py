@@ -9,6 +9,8 @@ import torch
 from . import policy
 from .quantization import segment_packbits
 
+MAX_TREE_NODES = 64  # one int64 ancestor word per draft token
+
 
 def _as_list(entry: str, name: str, value) -> list:
     if isinstance(value, torch.Tensor):
@@ -26,6 +28,50 @@ def _as_list(entry: str, name: str, value) -> list:
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
             policy.refuse(entry, f"{name} holds {x!r}; expected ints.")
     return [int(x) for x in items]
+
+
+def _ancestors(entry: str, i: int, parents) -> np.ndarray:
+    """bool [T, T]: row t marks node t's ancestors and t itself; parents validated."""
+    parents = _as_list(entry, f"parents_list[{i}]", parents)
+    T = len(parents)
+    anc = np.zeros((T, T), dtype=bool)
+    for t, par in enumerate(parents):
+        if par < -1 or par >= t:
+            policy.refuse(entry, f"parents_list[{i}][{t}]={par}; a parent must be -1 (the root) or an "
+                                 f"earlier node (0..{t - 1}).")
+        if par >= 0:
+            anc[t] = anc[par]
+        anc[t, t] = True
+    return anc
+
+
+def _parent_arrays(entry: str, parents_list) -> list:
+    if isinstance(parents_list, torch.Tensor) and parents_list.dim() == 2:
+        parents_list = list(parents_list)
+    try:
+        return list(parents_list)
+    except TypeError:
+        policy.refuse(entry, f"parents_list has type {type(parents_list).__name__}; expected a sequence of "
+                             f"parent arrays, one per request.")
+
+
+def tree_ancestor_bits(entry: str, parents_list, max_nodes: int = MAX_TREE_NODES):
+    """(sizes int64 [batch], bits int64 [sum(sizes)]) of a batch of tree drafts: bit j of node t's word is set
+    when draft token j is t or one of its ancestors (bit 63 is the sign bit; kernels shift arithmetically and
+    test bit 0, so it reads back right). The kernels' native tree mode takes these instead of a dense mask."""
+    parents_list = _parent_arrays(entry, parents_list)
+    sizes, words = [], []
+    weights = (np.ones(max_nodes, dtype=np.uint64) << np.arange(max_nodes, dtype=np.uint64))
+    for i, parents in enumerate(parents_list):
+        anc = _ancestors(entry, i, parents)
+        if len(anc) > max_nodes:
+            policy.unsupported(entry, f"tree {i} has {len(anc)} draft tokens; the native tree mode serves at "
+                                      f"most {max_nodes} per request (use a custom mask with the prefill "
+                                      f"wrappers beyond that).")
+        sizes.append(len(anc))
+        words.append((anc * weights[: len(anc)]).sum(axis=1, dtype=np.uint64))
+    bits = np.concatenate(words) if words else np.zeros(0, dtype=np.uint64)
+    return np.asarray(sizes, dtype=np.int64), bits.view(np.int64)
 
 
 def tree_parents_to_mask(parents_list: Sequence, prefix_lens, device="cpu"
@@ -46,31 +92,16 @@ def tree_parents_to_mask(parents_list: Sequence, prefix_lens, device="cpu"
     A chain (parents [-1, 0, 1, ...]) gives the bottom-right causal mask.
     """
     entry = "tree_parents_to_mask"
-    if isinstance(parents_list, torch.Tensor) and parents_list.dim() == 2:
-        parents_list = list(parents_list)
-    try:
-        parents_list = list(parents_list)
-    except TypeError:
-        policy.refuse(entry, f"parents_list has type {type(parents_list).__name__}; expected a sequence of "
-                             f"parent arrays, one per request.")
+    parents_list = _parent_arrays(entry, parents_list)
     prefix = _as_list(entry, "prefix_lens", prefix_lens)
     if len(prefix) != len(parents_list):
         policy.refuse(entry, f"prefix_lens has {len(prefix)} entries for {len(parents_list)} parent arrays.")
     blocks, sizes = [], []
     for i, (parents, pre) in enumerate(zip(parents_list, prefix)):
-        parents = _as_list(entry, f"parents_list[{i}]", parents)
         if pre < 0:
             policy.refuse(entry, f"prefix_lens[{i}]={pre}; a prefix length must be >= 0.")
-        T = len(parents)
-        anc = np.zeros((T, T), dtype=bool)
-        for t, par in enumerate(parents):
-            if par < -1 or par >= t:
-                policy.refuse(entry, f"parents_list[{i}][{t}]={par}; a parent must be -1 (the root) or an "
-                                     f"earlier node (0..{t - 1}).")
-            if par >= 0:
-                anc[t] = anc[par]
-            anc[t, t] = True
-        block = np.concatenate([np.ones((T, pre), dtype=bool), anc], axis=1)
+        anc = _ancestors(entry, i, parents)
+        block = np.concatenate([np.ones((len(anc), pre), dtype=bool), anc], axis=1)
         blocks.append(block.reshape(-1))
         sizes.append(block.size)
     flat = np.concatenate(blocks) if blocks else np.zeros(0, dtype=bool)

@@ -73,6 +73,11 @@ def prefill(q, k, v, out, lse, plan, kv_layout, k_scale=None, v_scale=None, desc
             visible = plan.mask_host[mask_offset:mask_offset + n].reshape(qo_len, kv_len).to(q.device)
         elif plan.causal:
             visible = k_pos[None, :] <= q_pos[:, None]
+            if plan.tree_mask_host is not None:  # draft tokens see the prefix, their ancestors and themselves
+                words = plan.tree_mask_host[q0:q1].to(q.device)
+                rel = k_pos - (kv_len - qo_len)
+                bit = (words[:, None] >> rel.clamp(0, 63)[None, :]) & 1
+                visible = visible & ((rel[None, :] < 0) | (bit != 0))
         if plan.window_left >= 0:
             visible = visible & (k_pos[None, :] >= q_pos[:, None] - plan.window_left)
         mask_offset += qo_len * kv_len

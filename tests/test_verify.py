@@ -61,7 +61,8 @@ def test_graph_replan_with_another_q_len_is_refused(device):
         torch.empty(1 << 20, dtype=torch.uint8, device=device), torch.empty(3, **i32), torch.empty(64, **i32),
         torch.empty(2, **i32), use_tensor_cores=True)
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, q_len_per_req=2)
-    with pytest.raises(ValueError, match="q_len_per_req is fixed by the first plan \\(2\\); this plan asks for 3"):
+    with pytest.raises(ValueError, match="verify mode is fixed by the first plan "
+                                         "\\(q_len_per_req or tree: 2\\); this plan asks for 3"):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
                q_len_per_req=3)
     out = w.run(b.q, b.cache)  # the first plan still runs

@@ -78,11 +78,11 @@ def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
 def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left,
-            mask_ptr, mask_bit0, log2_theta, rcp_scale,
+            mask_ptr, mask_bit0, tree_bits, log2_theta, rcp_scale,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
+            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
@@ -129,6 +129,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             visible = visible & (((byte.to(tl.int32) >> (bit % 8).to(tl.int32)) & 1) != 0)
         elif CAUSAL:
             visible = visible & (n[None, :] <= (delta + tok)[:, None])
+            if TREE:  # a draft token sees the prefix, its ancestors and itself (bit j: draft token j)
+                rel = n[None, :] - delta
+                shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)  # causal keeps the visible ones < 64
+                visible = visible & ((rel < 0) | (((tree_bits[:, None] >> shift) & 1) != 0))
         if HAS_WINDOW:
             visible = visible & (n[None, :] >= (delta + tok - window_left)[:, None])
         x = tl.where(visible, x, float("-inf"))
@@ -160,13 +164,14 @@ def prefill_kernel(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh,
     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-    mask_ptr, mask_indptr,
+    mask_ptr, mask_indptr, tree_mask,
     qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale, k_scale_ptr, v_scale_ptr,
     q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
     KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, FP8_QKV: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
@@ -211,6 +216,9 @@ def prefill_kernel(
         mask_bit0 = 0
         if HAS_MASK:
             mask_bit0 = tl.load(mask_indptr + req).to(tl.int64) * 8
+        tree_bits = tl.zeros([BLOCK_M], dtype=tl.int64)
+        if TREE:  # native tree verify: one ancestor word per draft token (rows are causal + these bits)
+            tree_bits = tl.load(tree_mask + q_start + tok, mask=row_ok, other=0)
 
         # Key range any row of the tile sees, and the part that every valid row sees unmasked.
         tok_min = tile * BLOCK_M // GROUP
@@ -220,6 +228,8 @@ def prefill_kernel(
         if CAUSAL:
             hi = tl.minimum(kv_len, delta + tok_max + 1)
             full_hi = tl.minimum(kv_len, delta + tok_min + 1)
+        if TREE:  # only the prefix is seen by every row
+            full_hi = tl.minimum(full_hi, delta)
         lo = 0
         full_lo = 0
         if HAS_WINDOW:
@@ -241,22 +251,22 @@ def prefill_kernel(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
+                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
         for n0 in range(mid_lo, mid_hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
+                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
         for n0 in range(mid_hi, hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES)
+                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
 
         out, lse = _finish(acc, l_i, m_i, out_scale)
         o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -310,7 +320,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
                                                                               plan.last_page_len, plan.mask,
-                                                                              plan.mask_indptr),
+                                                                              plan.mask_indptr, plan.tree_mask),
         plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
@@ -318,5 +328,5 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        FP8_QKV=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8_QKV=fp8, TREE=plan.tree_mask is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
