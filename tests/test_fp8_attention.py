@@ -66,8 +66,14 @@ def test_accuracy_calibrated_against_bf16(enc, per_head, dist, device):
                                                   dv.bfloat16().to(device), causal=True, backend="triton")
     bf16_err = rel_err(bf16, ref)
     assert rel_err(out, ref) < 1.5 * rel_err(model.float(), ref) + 4 * bf16_err
-    # logits are exact products of fp8 values: the LSE matches the reference closely
-    assert (lse.double().cpu() - ref_lse).abs().max().item() < 1e-3
+    # Products of fp8 values are exact, but Hopper's fp8 tensor cores sum them in a narrower accumulator
+    # than fp32 (about 14 significant bits, as reported for H800 by DeepSeek-V3): the LSE may be off by a
+    # few 2^-13 of the largest partial sum a logit can pass through, sum_d |q_d k_d| * sm_scale * log2(e).
+    # The interpreter and float32 accumulation stay within the 1e-3 floor.
+    group = dq.shape[1] // dk.shape[1]
+    partial = torch.einsum("qhd,khd->qhk", dq.abs(), dk.abs().repeat_interleave(group, 1)).amax() \
+        * dq.shape[-1] ** -0.5 * 1.4427
+    assert (lse.double().cpu() - ref_lse).abs().max().item() < 1e-3 + 2 ** -12 * partial.item()
 
 
 def test_descale_ab(device):

@@ -250,13 +250,15 @@ def _random_case(B, n, V_, seed, disjoint=False):
     (3, 2, 5000, False, torch.int32),  # several vocabulary blocks in the kernel
     (16, 0, 11, False, torch.int32),  # no draft token: one sample from the target
 ])
-def test_triton_matches_torch_bitwise(B, n, V_, disjoint, id_dtype):
-    d, ids, t = _random_case(B, n, V_, seed=B + n + V_, disjoint=disjoint)
+def test_triton_matches_torch_bitwise(B, n, V_, disjoint, id_dtype, device):
+    d, ids, t = (x.to(device) for x in _random_case(B, n, V_, seed=B + n + V_, disjoint=disjoint))
     ids = ids.to(id_dtype)
     ref = chain_speculative_sampling(d, ids, t, seed=2024, backend="torch")
     got = chain_speculative_sampling(d, ids, t, seed=2024, backend="triton")
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    ref = [x.cpu() for x in ref]
+    ids = ids.cpu()
     _check_layout(*ref, ids)
 
 

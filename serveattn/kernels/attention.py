@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import mma, narrow, to_dtype, widen
+from .common import LAUNCH_OPTIONS, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
 P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448) and e5m2
@@ -329,4 +329,5 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         FP8_QKV=fp8, TREE=plan.tree_mask is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **LAUNCH_OPTIONS,
     )

@@ -12,6 +12,13 @@ import triton.language as tl
 
 INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
+# Launch options of every floating-point kernel. Triton lets ptxas contract a mul and an add into one FMA
+# wherever its scheduling makes that convenient, so two specializations of one kernel (an fp8 and a bf16
+# cache, a tree and a chain mask) round the same softmax differently. Without fusion each mul/add rounds on
+# its own and the result is a function of the source alone: an fp8 run equals, bitwise, the run on the
+# dequantized cache (API.md), on the GPU as under the interpreter.
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+
 
 @triton.jit
 def mma(a, b, acc):

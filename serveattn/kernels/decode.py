@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
-from .common import to_dtype
+from .common import LAUNCH_OPTIONS, to_dtype
 
 
 @triton.jit
@@ -127,12 +127,13 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
-        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, num_warps=plan.tiles.num_warps,
+        num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     if merge_rows:
         merge_kernel[(merge_rows, plan.num_kv_heads)](
             plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
             out.stride(0), out.stride(1), slb, slh,
             NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
-            RETURN_LSE=lse is not None, num_warps=4,
+            RETURN_LSE=lse is not None, num_warps=4, **LAUNCH_OPTIONS,
         )

@@ -10,7 +10,7 @@ Triton specialises a unit D stride, which keeps the usual contiguous case vector
 import triton
 import triton.language as tl
 
-from .common import to_dtype
+from .common import LAUNCH_OPTIONS, to_dtype
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def merge_two(v_a, s_a, v_b, s_b, v_out, s_out, keep=None):
         v_a, s_a, v_b, s_b, v_out, s_out, keep if keep is not None else s_out,
         num_heads, head_dim,
         *v_a.stride(), *s_a.stride(), *v_b.stride(), *s_b.stride(), *v_out.stride(), *s_out.stride(),
-        HAS_KEEP=keep is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+        HAS_KEEP=keep is not None, BLOCK_H=block_h, BLOCK_D=block_d, **LAUNCH_OPTIONS,
     )
 
 
@@ -133,5 +133,5 @@ def merge_many(v, s, v_out, s_out):
     _merge_many_kernel[grid](
         v, s, v_out, s_out, num_states, num_heads, head_dim,
         *v.stride(), *s.stride(), *v_out.stride(), *s_out.stride(),
-        BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_H=block_h, BLOCK_D=block_d, **LAUNCH_OPTIONS,
     )
