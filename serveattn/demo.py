@@ -10,10 +10,45 @@ value beyond the prompts' amax saturates). Attention reads the cache with those 
 and is checked against the float64 oracle on the dequantized cache. The same prompts are then served from a
 bf16 cache (same page tables), and the demo prints the error of the fp8 run's logits and attention outputs
 against the bf16 run's, and whether the greedy tokens agree.
+
+`--speculative` serves the same model (the target) with a draft model: the same architecture and weights plus
+seeded Gaussian noise (`--draft-noise`, relative to each weight tensor's std), so the draft agrees with the
+target often but not always. Non-speculative greedy decoding of the target runs first (the reference); then
+each mode of `--spec-mode chain|tree|both` serves the prompts again, in rounds, until every request has
+`--steps` + 1 tokens (a round may overshoot; the first steps + 1 are compared):
+
+* chain: the draft proposes k = `--draft-len` tokens greedily; the target verifies them in one call of
+  BatchDecodeWithPagedKVCacheWrapper planned with q_len_per_req=k + 1. The k + 1 rows per request are the
+  last committed token, whose K/V the target has not computed yet (it was the previous round's output), and
+  the k drafts, bottom-right causal: row j's logits judge draft j + 1, the last row gives a bonus token. The
+  longest prefix of drafts equal to the target's argmax is accepted, plus the target's token after it.
+* tree: the draft's top `--tree-width` tokens after the last committed token, each extended greedily to
+  depth k (width x k nodes, e.g. parents [-1, 0, 1, 2, -1, 4, 5, 6]). The target verifies the last committed
+  token (node 0, a child of the prefix) and every node in one call of BatchDecodeWithPagedKVCacheWrapper
+  planned with tree_parents (its native tree mode: one ancestor bitmask word per node; TreeVerifyAttention).
+  Nodes are appended to the KV in tree order, but their RoPE position is the
+  prefix length + their depth. Greedy acceptance walks from the root into the child whose token is the
+  target's argmax at its parent; then the target's token there is committed.
+
+Rollback: only the page table changes (length, last_page_len, pages past the end back to the free list);
+the slots of rejected tokens are overwritten by the next append. Tree compaction: the accepted nodes' K/V
+are copied down to the positions right after the root; exact, since their RoPE already used those positions
+and each attended only to the prefix and its ancestors. The draft keeps its own paged cache, rolled back to
+the committed tokens it has computed; each round it first catches up on the ones it lacks (a prefill call
+of 1 to k + 1 rows per request), and drafts a tree one branch at a time, rolling back after each.
+
+Every attention call (prefill, the draft's steps, verify) is checked against the float64 oracle, with the
+tree's mask for tree verify. The demo fails (nonzero exit) when a greedy speculative run's tokens differ from
+non-speculative greedy decoding, unless the first difference is at a near-tie of the target's logits
+(TIE_TOL, reported). It prints the acceptance rate: accepted draft tokens / k per request and round. With
+`--temperature` > 0 (default 1) a sampled run per mode follows, accepting through chain_speculative_sampling /
+tree_speculative_sampling (tokens sampled from softmax(logits / T); its acceptance is printed, nothing is
+compared).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +66,10 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2"
 # bound (a wrong scale or a broken quantizer gives O(1)), loose against the rounding of 3 (e4m3) or
 # 2 (e5m2) mantissa bits, relative steps of 2^-4 / 2^-3 per element.
 FP8_LOGITS_REL_TOL = {"fp8_e4m3": 0.1, "fp8_e5m2": 0.2}
+# --speculative: a greedy token that differs from the non-speculative run's is tolerated only at a near-tie,
+# where the two tokens' logits (in the non-speculative run) are within TIE_TOL x max(1, |largest logit|):
+# a bf16 logit of magnitude 2..4 has a spacing of 2^-6, and verify rows and decode rows round differently.
+TIE_TOL = 3e-2
 
 
 @dataclass
@@ -139,6 +178,28 @@ class PagedKV:
             self.k_scales[layer], self.v_scales[layer] = fp8_scale(k, self.dtype), fp8_scale(v, self.dtype)
         return self.k_scales[layer], self.v_scales[layer]
 
+    def truncate(self, i: int, n: int):
+        """Rolls request i back to its first n tokens (speculative rollback): only the page table changes (the
+        length, hence last_page_len, and pages wholly past the end go back to the free list); the cache
+        slots of the dropped tokens keep their stale K/V until the next append overwrites them."""
+        self.lens[i] = n
+        keep = -(-n // self.cfg.page_size)
+        while len(self.pages[i]) > keep:
+            self.free.append(self.pages[i].pop())
+
+    def move(self, i: int, src, dst):
+        """Copies request i's K/V at token positions src to positions dst (same length, every layer); all of
+        src is read before anything is written."""
+        if not src:
+            return
+        ps = self.cfg.page_size
+        pages = torch.tensor(self.pages[i], dtype=torch.long)
+        s, d = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        sp, so = pages[s // ps].to(self.device), (s % ps).to(self.device)
+        dp, do = pages[d // ps].to(self.device), (d % ps).to(self.device)
+        for cache in self.caches:  # [num_pages, 2, page_size, Hkv, D]
+            cache[dp, :, do] = cache[sp, :, so]
+
     def table(self):
         """The CSR page table (indptr, indices, last_page_len), int32 on the cache's device."""
         counts = [len(p) for p in self.pages]
@@ -173,20 +234,22 @@ class PagedAttention:
 
 
 class DecodeAttention:
-    """One query row per request through BatchDecodeWithPagedKVCacheWrapper, on the route `auto` prefers."""
+    """q_len_per_req query rows per request (1: decode; k > 1: chain verify, the last k KV positions,
+    bottom-right causal among themselves) through BatchDecodeWithPagedKVCacheWrapper, on the route `auto`
+    prefers."""
 
-    def __init__(self, cfg: Config, backend: str, device, kv_dtype=torch.bfloat16):
+    def __init__(self, cfg: Config, backend: str, device, kv_dtype=torch.bfloat16, q_len_per_req: int = 1):
         ws = torch.empty(128 * 1024 * 1024 if device.type == "cuda" else 1024 * 1024,
                          dtype=torch.uint8, device=device)
-        self.cfg, self.kv_dtype = cfg, kv_dtype
-        tensor_cores = serveattn.decode.prefer_tensor_cores(cfg.qo_heads, cfg.kv_heads)
+        self.cfg, self.kv_dtype, self.q_len_per_req = cfg, kv_dtype, q_len_per_req
+        tensor_cores = serveattn.decode.prefer_tensor_cores(cfg.qo_heads, cfg.kv_heads, q_len_per_req)
         self.wrapper = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=backend,
                                                                     use_tensor_cores=tensor_cores)
 
     def plan(self, qo_indptr, indptr, indices, last_page_len):  # once per step, shared by all layers
         c = self.cfg
         self.wrapper.plan(indptr, indices, last_page_len, c.qo_heads, c.kv_heads, c.head_dim, c.page_size,
-                          q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype)
+                          q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, q_len_per_req=self.q_len_per_req)
 
     def run(self, q, cache, k_scale=None, v_scale=None):  # one call per layer
         return self.wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
@@ -196,8 +259,12 @@ def make_decode_attention(cfg: Config, backend: str, device, kv_dtype=torch.bflo
     return DecodeAttention(cfg, backend, device, kv_dtype)
 
 
-def serve_step(model, kv: PagedKV, attn, tokens_per_req):
-    """Appends tokens_per_req[i] to request i, runs the model, returns (next tokens, check info, logits)."""
+def serve_step(model, kv: PagedKV, attn, tokens_per_req, depths=None):
+    """Appends tokens_per_req[i] to request i, runs the model, returns (next tokens, check info, logits).
+
+    The tokens go to the next KV positions of each request, in order; their RoPE position is the same
+    position unless depths is given (a tree draft: depths[i][t] is token t's depth below the first appended
+    token, and its RoPE position is the first appended position + that depth)."""
     device, append_lens = kv.device, [len(t) for t in tokens_per_req]
     kv.grow(append_lens)
     indptr, indices, last = kv.table()
@@ -206,6 +273,10 @@ def serve_step(model, kv: PagedKV, attn, tokens_per_req):
     nnz = sum(append_lens)
     batch_indices, positions = serveattn.get_batch_indices_positions(qo_indptr, seq_lens, nnz)
     attn.plan(qo_indptr, indptr, indices, last)
+    rope_positions = positions
+    if depths is not None:
+        rope_positions = torch.tensor([kv.lens[i] - n + d for i, n in enumerate(append_lens) for d in depths[i]],
+                                      dtype=positions.dtype).to(device)
 
     def append_kv(layer, k, v):
         k_scale, v_scale = kv.scales(layer, k, v)  # None, None for a bf16 cache: K/V are copied
@@ -216,17 +287,18 @@ def serve_step(model, kv: PagedKV, attn, tokens_per_req):
         return attn.run(q, kv.caches[layer], k_scale=kv.k_scales[layer], v_scale=kv.v_scales[layer])
 
     tokens = torch.tensor([t for ts in tokens_per_req for t in ts], dtype=torch.long, device=device)
-    logits, records = model.forward(tokens, positions, append_kv, attend)
+    logits, records = model.forward(tokens, rope_positions, append_kv, attend)
     next_tokens = logits[qo_indptr[1:].long() - 1].argmax(-1).tolist()
-    return next_tokens, (records, qo_indptr, indptr, indices, last), logits
+    return next_tokens, (records, qo_indptr, indptr, indices, last, getattr(attn, "custom_mask", None)), logits
 
 
-def check(kv: PagedKV, records, qo_indptr, indptr, indices, last):
+def check(kv: PagedKV, records, qo_indptr, indptr, indices, last, custom_mask=None):
     """(max abs error, max relative-norm error) of every layer's attention against the float64 oracle
-    (on the dequantized cache, fp8 * scale, for an fp8 cache)."""
+    (on the dequantized cache, fp8 * scale, for an fp8 cache); bottom-right causal, or custom_mask."""
     max_abs = max_rel = 0.0
     for (q, out), cache, k_scale, v_scale in zip(records, kv.caches, kv.k_scales, kv.v_scales):
         ref, _ = reference.batch_paged(q, cache, qo_indptr, indptr, indices, last, kv_layout="NHD", causal=True,
+                                       custom_mask=custom_mask,
                                        k_scale=1.0 if k_scale is None else k_scale,
                                        v_scale=1.0 if v_scale is None else v_scale)
         diff = out.double() - ref.to(out.device)
@@ -241,6 +313,340 @@ def sync_time(device):
     return time.perf_counter()
 
 
+# ---------------------------------------------------------------- speculative decoding (--speculative)
+
+def noisy_copy(model: TinyLM, noise: float, seed: int) -> TinyLM:
+    """The draft model: the same architecture and weights, each weight tensor plus seeded Gaussian noise of
+    `noise` times that tensor's standard deviation (the norms, all ones, stay exact)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def jitter(t):
+        return (t.float() + noise * t.float().std() * torch.randn(t.shape, generator=g).to(t.device)).to(t.dtype)
+    draft = copy.copy(model)
+    draft.embed, draft.lm_head = jitter(model.embed), jitter(model.lm_head)
+    draft.layers = [{name: jitter(t) for name, t in p.items()} for p in model.layers]
+    return draft
+
+
+class TreeVerifyAttention:
+    """Tree verify: each request's rows are its verify tree's nodes in tree order (a parent before its
+    children), the last len(tree) KV positions; a node sees the prefix, its ancestors and itself.
+
+    Served by the decode wrapper's native tree mode (plan(tree_parents=...): one ancestor bitmask word per
+    node, no dense mask on the device). The dense mask from tree_parents_to_mask is still built, for the
+    float64 check only."""
+
+    def __init__(self, cfg: Config, backend: str, device, kv_dtype=torch.bfloat16):
+        ws = torch.empty(128 * 1024 * 1024 if device.type == "cuda" else 1024 * 1024,
+                         dtype=torch.uint8, device=device)
+        self.cfg, self.kv_dtype = cfg, kv_dtype
+        self.wrapper = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend=backend)
+        self.parents = None  # one parent array per request, set before each verify step
+        self.custom_mask = None
+
+    def plan(self, qo_indptr, indptr, indices, last_page_len):
+        c = self.cfg
+        kv_lens = serveattn.get_seq_lens(indptr, last_page_len, c.page_size).tolist()
+        prefix_lens = [n - len(p) for n, p in zip(kv_lens, self.parents)]
+        self.custom_mask, _, _ = serveattn.tree_parents_to_mask(self.parents, prefix_lens, device=indptr.device)
+        self.wrapper.plan(indptr, indices, last_page_len, c.qo_heads, c.kv_heads, c.head_dim, c.page_size,
+                          q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype, tree_parents=self.parents)
+
+    def run(self, q, cache, k_scale=None, v_scale=None):
+        return self.wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
+
+
+def draft_tree_shape(width: int, depth: int):
+    """The draft tree: the draft model's top-`width` tokens after the last committed token, each extended by
+    a greedy (or, when sampling, sampled) chain to `depth` tokens. Nodes in branch order (branch b holds nodes
+    b*depth .. b*depth + depth - 1), a parent before its children. Returns (parents, depths), the depth of a
+    child of the root being 1."""
+    parents, depths = [], []
+    for b in range(width):
+        for j in range(depth):
+            parents.append(-1 if j == 0 else b * depth + j - 1)
+            depths.append(j + 1)
+    return parents, depths
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0          # verify calls
+    requests: int = 0        # request-rounds (one verify of one request)
+    proposed: int = 0        # draft tokens on the longest draft path, summed over request-rounds (k each)
+    accepted: int = 0        # draft tokens accepted
+    nodes: int = 0           # draft tokens verified (k for a chain, the tree's size for a tree)
+    side_paths: int = 0      # tree: accepted paths that leave the first branch (their K/V moved down)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+    @property
+    def tokens_per_verify(self) -> float:  # tokens committed per request per verify call (accepted + 1)
+        return (self.accepted + self.requests) / max(self.requests, 1)
+
+
+class Picker:
+    """Greedy (temperature 0: argmax) or sampled (softmax(logits / temperature)) token choice, with the
+    probabilities the speculative samplers need."""
+
+    def __init__(self, temperature: float, seed: int):
+        self.temperature = temperature
+        self.gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+
+    def probs(self, logits):
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def pick(self, logits, n: int = 1):
+        """n distinct tokens per row [B, n] (the top n, or n sampled without replacement) and the rows'
+        probabilities (None when greedy)."""
+        if self.gen is None:  # argmax breaks ties as the non-speculative run does; topk may not
+            top = logits.argmax(-1, keepdim=True) if n == 1 else logits.float().topk(n, dim=-1).indices
+            return top, None
+        probs = self.probs(logits)
+        return torch.multinomial(probs.cpu(), n, replacement=False, generator=self.gen).to(logits.device), probs
+
+
+def serve_speculative(target, draft, cfg: Config, prompts, steps, mode: str, k: int, width: int, backend: str,
+                      device, num_pages: int, page_seed: int, failures, temperature: float = 0.0, seed: int = 0):
+    """Speculative decoding until every request has steps + 1 tokens (a round may overshoot).
+
+    Each round: the draft model proposes (chain: k tokens; tree: draft_tree_shape(width, k)), the target
+    verifies all of them in one attention call per layer, the longest accepted path plus the target's next
+    token is committed, and the KV caches are rolled back / compacted. Every attention call (prefill, draft,
+    verify) is checked against the float64 oracle. Returns (generated tokens per request, SpecStats)."""
+    batch = len(prompts)
+    picker = Picker(temperature, seed + 17)
+    sampled = temperature > 0
+    label = f"{mode} " + (f"T={temperature:g} " if sampled else "greedy ")
+    kv_t = PagedKV(cfg, batch, num_pages, device, torch.Generator().manual_seed(page_seed))
+    kv_d = PagedKV(cfg, batch, num_pages, device, torch.Generator().manual_seed(page_seed + 1))
+    prefill_attn = PagedAttention(cfg, backend, device)          # prompts; the draft's catch-up rows
+    step_attn = make_decode_attention(cfg, backend, device)      # the draft's one-row steps
+    tree_parents, tree_depths = draft_tree_shape(width, k)
+    if mode == "chain":
+        # rows per request: the last committed token (its K/V not yet in the target's cache) + k drafts
+        verify_attn = DecodeAttention(cfg, backend, device, q_len_per_req=k + 1)
+        verify_parents, verify_depths = None, None
+    else:
+        verify_attn = TreeVerifyAttention(cfg, backend, device)
+        # node 0 is the last committed token (child of the prefix), draft node t is node t + 1
+        verify_parents = [-1] + [p + 1 for p in tree_parents]
+        verify_depths = [0] + tree_depths
+        verify_children = [[c for c, p in enumerate(verify_parents) if p == v] for v in range(len(verify_parents))]
+    errs = {"prefill": [], "draft": [], "verify": []}  # prefill: both models; draft: the draft's steps
+    seconds = {"prefill": 0.0, "draft": 0.0, "verify": 0.0}
+    tokens = {"prefill": 0, "draft": 0, "verify": 0}
+    stats = SpecStats()
+
+    def step(phase, model, kv, attn, rows, depths=None):
+        t0 = sync_time(device)
+        _, info, logits = serve_step(model, kv, attn, rows, depths)
+        seconds[phase] += sync_time(device) - t0
+        tokens[phase] += sum(len(r) for r in rows)
+        errs[phase].append(check(kv, *info))
+        return logits, info[1]
+
+    with torch.inference_mode():
+        logits, qo = step("prefill", target, kv_t, prefill_attn, prompts)
+        first, _ = picker.pick(logits[qo[1:].long() - 1])
+        step("prefill", draft, kv_d, prefill_attn, prompts)
+        generated = [[t] for t in first[:, 0].tolist()]
+        seqs = [list(p) + g for p, g in zip(prompts, generated)]
+
+        while min(len(g) for g in generated) < steps + 1:
+            base = [len(s) for s in seqs]  # committed tokens; the target's cache holds all but the last
+            # -- draft: catch up on the committed tokens its cache lacks (1 to k + 1 rows), then one row a step
+            logits, qo = step("draft", draft, kv_d, prefill_attn, [s[n:] for s, n in zip(seqs, kv_d.lens)])
+            root_logits = logits[qo[1:].long() - 1]
+            if mode == "chain":
+                tok, probs = picker.pick(root_logits)
+                ids, draft_probs = [tok[:, 0]], [probs]
+                for _ in range(k - 1):
+                    logits, _ = step("draft", draft, kv_d, step_attn, [[t] for t in ids[-1].tolist()])
+                    tok, probs = picker.pick(logits)
+                    ids.append(tok[:, 0])
+                    draft_probs.append(probs)
+            else:
+                roots, root_probs = picker.pick(root_logits, width)
+                ids, draft_probs = [], []
+                for b in range(width):  # one branch at a time; the draft's cache is rolled back after each
+                    ids.append(roots[:, b])
+                    draft_probs.append(root_probs)  # siblings: the shared row (sampled without replacement)
+                    for _ in range(k - 1):
+                        logits, _ = step("draft", draft, kv_d, step_attn, [[t] for t in ids[-1].tolist()])
+                        tok, probs = picker.pick(logits)
+                        ids.append(tok[:, 0])
+                        draft_probs.append(probs)
+                    for i in range(batch):
+                        kv_d.truncate(i, base[i])
+            ids = torch.stack(ids, dim=1)  # [B, nodes]
+            draft_rows = ids.tolist()
+            # -- target: verify every draft token in one call per layer
+            rows = [[s[-1]] + d for s, d in zip(seqs, draft_rows)]
+            if mode == "chain":
+                logits, _ = step("verify", target, kv_t, verify_attn, rows)
+            else:
+                verify_attn.parents = [verify_parents] * batch
+                logits, _ = step("verify", target, kv_t, verify_attn, rows, [verify_depths] * batch)
+            logits = logits.view(batch, ids.shape[1] + 1, -1)  # row 0: after the last committed token
+            # -- acceptance: paths[i] = accepted draft nodes (indices into ids), final[i] = the target's token
+            if not sampled:
+                target_tok = logits.argmax(-1).tolist()
+                paths, final = [], []
+                for i in range(batch):
+                    if mode == "chain":
+                        a = 0
+                        while a < k and draft_rows[i][a] == target_tok[i][a]:
+                            a += 1
+                        paths.append(list(range(a)))
+                        final.append(target_tok[i][a])
+                    else:  # walk from the root: descend into the child holding the target's argmax
+                        v, path = 0, []
+                        while True:
+                            nxt = [c for c in verify_children[v] if rows[i][c] == target_tok[i][v]]
+                            if not nxt:
+                                break
+                            v = nxt[0]
+                            path.append(v - 1)
+                        paths.append(path)
+                        final.append(target_tok[i][v])
+            else:
+                target_probs = picker.probs(logits)
+                draft_probs = torch.stack(draft_probs, dim=1)
+                if mode == "chain":
+                    out, _, emitted = serveattn.chain_speculative_sampling(
+                        draft_probs, ids, target_probs, generator=picker.gen, backend=backend)
+                    paths = [list(range(e)) for e in emitted.tolist()]
+                else:
+                    out, _, emitted, nodes = serveattn.tree_speculative_sampling(
+                        draft_probs, ids, target_probs,
+                        torch.tensor([tree_parents] * batch, dtype=torch.int32, device=device),
+                        generator=picker.gen, return_accepted_nodes=True)
+                    paths = [n[:e] for n, e in zip(nodes.tolist(), emitted.tolist())]
+                out = out.tolist()
+                final = [out[i][len(paths[i])] for i in range(batch)]
+                for i in range(batch):  # the sampler's emitted tokens are the path's tokens
+                    if out[i][:len(paths[i])] != [draft_rows[i][t] for t in paths[i]]:
+                        failures.append(f"{label}: request {i}: the sampler emitted {out[i]} for the accepted "
+                                        f"nodes {paths[i]} of the draft {draft_rows[i]}")
+            # -- commit, roll back, compact
+            for i in range(batch):
+                path, root = paths[i], base[i] - 1  # root: the KV position of the last committed token
+                new = [draft_rows[i][t] for t in path] + [final[i]]
+                if mode == "tree":
+                    # The accepted nodes' K/V sit at root + 1 + node; RoPE used root + depth, the position
+                    # they take now, so copying them down to root + 1 .. root + a is exact.
+                    kv_t.move(i, [root + 1 + t for t in path], [root + 1 + j for j in range(len(path))])
+                kv_t.truncate(i, root + 1 + len(path))
+                if mode == "chain":  # the draft's cache holds base + k - 1 tokens: keep the accepted ones
+                    kv_d.truncate(i, base[i] + min(len(path), k - 1))
+                seqs[i] += new
+                generated[i] += new
+                stats.accepted += len(path)
+                stats.side_paths += bool(path) and path[0] >= k
+            stats.rounds += 1
+            stats.requests += batch
+            stats.proposed += batch * k
+            stats.nodes += batch * ids.shape[1]
+
+    backend_used = {"prefill": prefill_attn, "draft": step_attn, "verify": verify_attn}
+    for phase, e in errs.items():
+        max_abs, max_rel = max(x[0] for x in e), max(x[1] for x in e)
+        print(f"{phase:8s} {tokens[phase]:6d} tokens  max|err| {max_abs:.3e}  rel err {max_rel:.3e}  "
+              f"{tokens[phase] / max(seconds[phase], 1e-9):10.1f} tok/s  [{backend_used[phase].wrapper.backend}]"
+              f"  {len(e)} calls")
+        if not max_rel < REL_TOL:
+            failures.append(f"speculative {label}{phase}: relative error {max_rel:.3e} >= {REL_TOL} "
+                            f"(max abs error {max_abs:.3e})")
+    print(f"{label}acceptance {stats.acceptance:.3f} ({stats.accepted}/{stats.proposed} draft tokens on the "
+          f"longest path), {stats.tokens_per_verify:.2f} tokens per request per verify call, "
+          f"{stats.rounds} verify calls of {stats.nodes // max(stats.requests, 1) + 1} rows per request"
+          + (f"; {stats.side_paths} accepted paths through another branch than the first" if mode == "tree" else ""))
+    return generated, stats
+
+
+def baseline_logits(history, i: int, j: int):
+    """The non-speculative run's logits that chose request i's generated token j."""
+    logits, qo, _ = history[j]
+    return logits[int(qo[i + 1]) - 1]
+
+
+def compare_greedy(label: str, spec, base, history, failures) -> None:
+    """spec's tokens must equal base's (the non-speculative greedy run) over base's length. A first difference
+    at a near-tie of the baseline's logits (the two tokens' logits within TIE_TOL of the largest's magnitude:
+    rounding, since verify rows and decode rows take different reduction orders) is reported, not failed."""
+    n, same, ties = len(base[0]), 0, 0
+    for i, (s, b) in enumerate(zip(spec, base)):
+        s = s[:len(b)]
+        if s == b:
+            same += 1
+            continue
+        j = next(j for j, (x, y) in enumerate(zip(s, b)) if x != y)
+        row = baseline_logits(history, i, j).float()
+        margin = (row[b[j]] - row[s[j]]).item()
+        if margin <= TIE_TOL * max(1.0, row.abs().max().item()):
+            ties += 1
+            print(f"  request {i}: first differs at generated token {j} at a near-tie of the target's logits "
+                  f"(speculative {s[j]}, non-speculative {b[j]}, margin {margin:.2e})")
+        else:
+            failures.append(f"{label}: request {i} differs from non-speculative greedy decoding at generated "
+                            f"token {j} (speculative {s[j]}, non-speculative {b[j]}, logit margin {margin:.3e})")
+            print(f"  request {i}: speculative {s}\n  {'':10s} non-speculative {b}")
+    print(f"{label}: greedy tokens equal non-speculative greedy decoding: {same}/{len(base)} requests identical "
+          f"over {n} tokens" + (f" ({ties} differ after a near-tie)" if ties else ""))
+
+
+def main_speculative(args, device, cfg: Config, steps: int, batch: int) -> int:
+    gen = torch.Generator().manual_seed(args.seed)
+    model_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = TinyLM(cfg, device, model_dtype, args.seed)
+    draft = noisy_copy(target, args.draft_noise, args.seed + 1)
+    prompt_lens = torch.randint(cfg.prompt_lens[0], cfg.prompt_lens[1] + 1, (batch,), generator=gen).tolist()
+    prompts = [torch.randint(0, cfg.vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    k, width = args.draft_len, args.tree_width
+    # room for steps + 1 tokens, a round's overshoot (k + 1) and a verify's appended rows (1 + width * k)
+    num_pages = sum(-(-(n + steps + 2 * k + 2 + width * k) // cfg.page_size) for n in prompt_lens) + 4
+    modes = ["chain", "tree"] if args.spec_mode == "both" else [args.spec_mode]
+    print(f"serveattn demo --speculative: device={device} backend={args.backend}")
+    print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.qo_heads} q / {cfg.kv_heads} kv heads, "
+          f"head_dim {cfg.head_dim}, vocab {cfg.vocab}; batch {batch}, prompt lengths {prompt_lens}, "
+          f"page size {cfg.page_size}, {num_pages} pages per cache (shuffled)")
+    print(f"draft: the target's weights + Gaussian noise of {args.draft_noise:g} x each tensor's std (seed "
+          f"{args.seed + 1})")
+
+    failures = []
+    print("-- target, non-speculative greedy decoding (the reference for the speculative runs)")
+    page_gen = torch.Generator().manual_seed(args.seed + 2)
+    base_kv = PagedKV(cfg, batch, num_pages, device, page_gen)
+    base, history = serve(target, cfg, prompts, steps, base_kv, args.backend, device, failures)
+    runs = [(m, 0.0) for m in modes] + ([(m, args.temperature) for m in modes] if args.temperature > 0 else [])
+    for mode, temperature in runs:
+        if mode == "chain":
+            print(f"-- speculative, chain: the draft proposes {k} tokens; verify rows per request = the last "
+                  f"committed token + {k} drafts (decode wrapper, q_len_per_req={k + 1})")
+        else:
+            parents, _ = draft_tree_shape(width, k)
+            print(f"-- speculative, tree: top-{width} draft tokens, each extended to depth {k}: {len(parents)} "
+                  f"nodes, parents {parents}; verify rows per request = the last committed token + "
+                  f"{len(parents)} nodes (decode wrapper, tree_parents)")
+        if temperature > 0:
+            print(f"   sampled at temperature {temperature:g} with "
+                  f"{'chain' if mode == 'chain' else 'tree'}_speculative_sampling (no equality check)")
+        spec, stats = serve_speculative(target, draft, cfg, prompts, steps, mode, k, width, args.backend, device,
+                                        num_pages, args.seed + 3, failures, temperature, args.seed)
+        if temperature == 0:
+            compare_greedy(f"{mode} greedy", spec, base, history, failures)
+        elif not all(len(g) >= steps + 1 for g in spec):
+            failures.append(f"{mode} T={temperature:g}: a request generated fewer than {steps + 1} tokens")
+
+    for i, g in enumerate(base):
+        print(f"request {i}: prompt {prompt_lens[i]:4d} tokens -> generated {g}")
+    print("\n".join(f"demo FAILED: {f}" for f in failures) if failures else "demo OK")
+    return 1 if failures else 0
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m serveattn demo", description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"])
@@ -250,9 +656,32 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-dtype", default="bf16", choices=list(KV_DTYPES),
                    help="KV cache dtype (default bf16); an fp8 run is compared with a bf16 run of the same prompts")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative", action="store_true",
+                   help="serve with a noisy copy of the model as the draft (chain and/or tree verify), check the "
+                        "greedy tokens against non-speculative greedy decoding, print the acceptance rate")
+    s.add_argument("--spec-mode", default="both", choices=["chain", "tree", "both"], help="default both")
+    s.add_argument("--draft-len", type=int, default=4,
+                   help="k: draft tokens per round (chain), the depth of each tree branch (tree); default 4")
+    s.add_argument("--tree-width", type=int, default=2,
+                   help="tree mode: branches (the draft's top tokens at the root), default 2")
+    s.add_argument("--draft-noise", type=float, default=0.05,
+                   help="the draft's weight noise, relative to each weight tensor's std (default 0.05)")
+    s.add_argument("--temperature", type=float, default=1.0,
+                   help="after the greedy runs, a sampled run per mode through chain_/tree_speculative_sampling "
+                        "at this temperature (default 1.0; 0 skips it)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if args.speculative:
+        if args.kv_dtype != "bf16":
+            p.error("--speculative serves a bf16 KV cache; leave --kv-dtype at bf16")
+        if args.draft_len < 1 or args.tree_width < 1:
+            p.error(f"--draft-len ({args.draft_len}) and --tree-width ({args.tree_width}) must be >= 1")
+        if args.tree_width * args.draft_len > 64:
+            p.error(f"a tree of --tree-width x --draft-len = {args.tree_width * args.draft_len} nodes; at most 64")
+        if args.draft_noise < 0 or args.temperature < 0:
+            p.error("--draft-noise and --temperature must be >= 0")
     return args
 
 
@@ -327,6 +756,8 @@ def main(argv=None) -> int:
     cfg = CUDA_CONFIG if on_cuda else CPU_CONFIG
     steps = args.steps if args.steps is not None else (32 if on_cuda else 8)
     batch = args.batch if args.batch is not None else (8 if on_cuda else 4)
+    if args.speculative:
+        return main_speculative(args, device, cfg, steps, batch)
     gen = torch.Generator().manual_seed(args.seed)
     kv_dtype = KV_DTYPES[args.kv_dtype]
     fp8 = kv_dtype != torch.bfloat16
