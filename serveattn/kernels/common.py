@@ -66,9 +66,19 @@ def widen(x, dtype: tl.constexpr):
             value = tl.where(negative, -value, value)
             return to_dtype(value, dtype)
         else:
-            return x.to(dtype)
+            return _operand_boundary(x.to(dtype))
     else:
         return x
+
+
+@triton.jit
+def _operand_boundary(x):
+    """x unchanged, behind an opaque move. Triton picks a tensor-core operand's register layout (mma v2's
+    kWidth) from the narrowest load its value came from: a K/V tile widened from fp8 would get kWidth 4 where
+    the same tile loaded as 16-bit gets 2, which permutes the products each mma sums and rounds the logits
+    differently. The move (kept by is_pure=False) hides the fp8 load, so both take the 16-bit layout and an fp8
+    cache gives, bitwise, the result of its dequantized copy."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=x.dtype, is_pure=False, pack=1)
 
 
 @triton.jit
