@@ -21,6 +21,9 @@ FAMILIES = {
                "batch decode (paged wrapper, CUDA-core / tensor-core, eager / CUDA graph) vs cuDNN/flash SDPA, "
                "FlexAttention, FlashInfer; K/V TB/s"),
     "fp8": ("serveattn.bench.fp8", "fp8 e4m3 KV decode, fp8 q+KV prefill vs our bf16 on the same data, cuDNN SDPA"),
+    "verify": ("serveattn.bench.verify",
+               "speculative verify: chain q_len_per_req 1..16 and 16/64-node trees vs k=1, eager / CUDA graph, "
+               "vs FlashInfer, flash SDPA"),
 }
 
 
