@@ -83,7 +83,7 @@ def test_demo_speculative_torch(capsys, mode):
     assert 0 < rate < 1
     if mode == "tree":
         assert side > 0  # compaction exercised
-        assert "prefill wrapper, custom mask from tree_parents_to_mask" in out
+        assert "decode wrapper, tree_parents" in out
     else:
         assert "q_len_per_req=5" in out
     # the sampled run (temperature 1, through the speculative samplers) follows the greedy one
