@@ -38,7 +38,7 @@ VARIANTS = (("cc", "CUDA-core, eager"), ("cc-graph", "CUDA-core, CUDA graph"), (
             ("tc-graph", "tensor-core, CUDA graph"))
 DECODE_OURS = ("cc", "cc8", "cc-graph", "cc8-graph", "tc", "tc8", "tc-graph", "tc8-graph")  # 8: the fp8 cache
 PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8")  # prefill takes the SDPA ones
-PREFILL_OURS = ("fp8", "bf16")
+PREFILL_OURS = ("fp8", "kv8", "bf16")  # kv8: bf16 q over the e4m3 cache (k_scale/v_scale)
 
 
 def fp8_key(v: str) -> str:
@@ -216,6 +216,13 @@ def prepare_prefill(key: str, meta, sets) -> common.Prepared:
     e4m3 = torch.float8_e4m3fn
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(common.workspace(prefill.WORKSPACE_BYTES, prefill.DEVICE),
                                                       kv_layout="NHD")
+    if key == "kv8":  # fp8 KV cache under a 16-bit query: the scales fold into the logits and the output
+        w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, prefill.HQ, prefill.HKV,
+               prefill.HEAD_DIM, prefill.PAGE_SIZE, causal=True, q_data_type=torch.bfloat16, kv_data_type=e4m3)
+        runs = [functools.partial(w.run, k_scale=s.sk, v_scale=s.sv) for s in sets]
+        return common.Prepared(fns=[functools.partial(r, s.q, s.cache8) for r, s in zip(runs, sets)], keep=w,
+                               note=f"backend={getattr(w, 'backend', '?')}, q bf16, kv e4m3 (k_scale/v_scale tensors)",
+                               poisoned=common.poisoned_call(runs[0], (sets[0].q, sets[0].cache8), sets[0].q))
     w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, prefill.HQ, prefill.HKV,
            prefill.HEAD_DIM, prefill.PAGE_SIZE, causal=True, q_data_type=e4m3, kv_data_type=e4m3)
     runs = [functools.partial(w.run, scale_q=s.sq, scale_k=s.sk, scale_v=s.sv) for s in sets]
@@ -379,7 +386,8 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
                   common.markdown_table(["case", "best bf16 ms", "best fp8 ms", "fp8/bf16", "target",
                                          "fp8 floor ms", "input sets"], trows), ""]
     if "prefill" in result:
-        lines += ["### prefill: fp8 q + KV vs our bf16 paged prefill on the dequantized q / cache (causal)", "",
+        lines += ["### prefill: fp8 q + KV (fp8) and bf16 q over the fp8 cache (kv8) vs our bf16 paged prefill on the "
+                  "dequantized q / cache (causal)", "",
                   f"- {prefill.FLOPS_FORMULA}; fp8 floor: flops / {ceilings.fp8_rate / 1e12:.0f} TFLOP/s, bf16 "
                   f"floor: flops / {ceilings.bf16_rate / 1e12:.0f}.",
                   f"- all rows within {PREFILL_TOL} of SDPA on the dequantized inputs. Targets: fp8/bf16 >= 1.5 "
@@ -389,20 +397,24 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
         rows = []
         for c in result["prefill"]["cases"]:
             rs = c["runners"]
-            f, b = rs["fp8"], rs["bf16"]
+            f, b, k8 = rs["fp8"], rs["bf16"], rs.get("kv8", {})
             x = _ratio(_ms(b), _ms(f))
+            xk = _ratio(_ms(b), _ms(k8)) if k8 else None
             fi = FI_FA3_FP8_TFLOPS.get(c["name"])
             row = [c["name"], common.fmt(_ms(f), ".3f"), common.fmt(f.get("tflops") if _ms(f) else None, ".0f"),
                    common.fmt(f.get("over_floor") if _ms(f) else None, ".2f"), common.fmt(f.get("err"), ".1e"),
                    common.fmt(b.get("tflops") if _ms(b) else None, ".0f"), common.fmt(b.get("err"), ".1e"),
                    common.fmt(x, ".2f"), _verdict(x, PREFILL_TARGET.get(c["name"])),
-                   f"{fi}, " + (f"{f['tflops'] / fi:.2f}x" if _ms(f) else "-") if fi else "-"]
+                   f"{fi}, " + (f"{f['tflops'] / fi:.2f}x" if _ms(f) else "-") if fi else "-",
+                   common.fmt(k8.get("tflops") if k8 and _ms(k8) else None, ".0f"), common.fmt(xk, ".2f"),
+                   _verdict(xk, 1.0)]
             row += [f"{rs[p]['tflops']:.0f}, {_ms(rs[p]) / _ms(f):.2f}x" if _ms(rs[p]) and _ms(f)
                     else common.fmt(rs[p].get("tflops") if _ms(rs[p]) else None, ".0f") for p in speers]
             rows.append(row)
             bad += [(f"prefill {c['name']}", k, r) for k, r in rs.items() if r["status"] != "ok"]
         lines += [common.markdown_table(["case", "fp8 ms", "fp8 TFLOP/s", "fp8/floor", "fp8 err", "bf16 TFLOP/s",
-                                         "bf16 err", "fp8/bf16", "target", "FI fa3 fp8 (baseline), ours/it"]
+                                         "bf16 err", "fp8/bf16", "target", "FI fa3 fp8 (baseline), ours/it",
+                                         "kv8 TFLOP/s", "kv8/bf16", "kv8 target >= 1"]
                                         + [f"{p} TFLOP/s, peer/fp8" for p in speers], rows), ""]
     if bad:
         lines += ["### not timed", "", common.markdown_table(
