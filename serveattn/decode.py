@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import backend as backends
-from . import policy
+from . import policy, staging
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -398,8 +398,7 @@ _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indpt
 
 def _to_device(plan: DecodePlan, device) -> DecodePlan:
     """Copies (never aliases: the caller may reuse its index tensors) the plan's arrays to the device."""
-    return replace(plan, **{n: getattr(plan, n).to(device, non_blocking=True, copy=True)
-                            for n in _PLAN_ARRAYS if getattr(plan, n) is not None})
+    return replace(plan, **staging.to_device({n: getattr(plan, n) for n in _PLAN_ARRAYS}, device))
 
 
 def _grid(plan: DecodePlan, use_cuda_graph: bool):

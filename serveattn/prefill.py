@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import backend as backends
-from . import policy, torch_impl
+from . import policy, staging, torch_impl
 from .kernels import attention as attention_kernel
 from .quantization import segment_packbits
 
@@ -296,8 +296,7 @@ class _PrefillWrapper:
             if self._use_cuda_graph:
                 plan = self._install_graph_plan(plan)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
-                plan = replace(plan, **{n: getattr(plan, n).to(self.device, non_blocking=True, copy=True)
-                                        for n in _ARRAYS if getattr(plan, n) is not None})
+                plan = replace(plan, **staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device))
         self._plan = plan
         self.backend = plan.backend
 

@@ -1,0 +1,40 @@
+"""One packed host->device copy of a plan's arrays: the round trip keeps every dtype, shape and value."""
+import pytest
+import torch
+
+from serveattn import staging
+
+
+def _arrays(gen):
+    return dict(work=torch.randint(-5, 1000, (37,), generator=gen, dtype=torch.int32),
+                num_work=torch.tensor([37], dtype=torch.int32),
+                empty=torch.zeros(0, dtype=torch.int32),
+                mask=torch.randint(0, 256, (13,), generator=gen, dtype=torch.int32).to(torch.uint8),
+                tree=torch.tensor([1, -1, 2 ** 62, -(2 ** 63)], dtype=torch.int64),
+                grid=torch.randint(0, 9, (3, 5), generator=gen, dtype=torch.int32).t())  # not contiguous
+
+
+def test_pack_unpack_round_trip():
+    arrays = _arrays(torch.Generator().manual_seed(0))
+    blob, layout = staging.pack(arrays)
+    assert blob.dtype == torch.uint8 and all(start % 8 == 0 for _, start, *_ in layout)
+    back = staging.unpack(blob, layout)
+    for name, t in arrays.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+
+
+def test_to_device_copies_and_keeps_none(device):
+    arrays = dict(_arrays(torch.Generator().manual_seed(1)), absent=None)
+    out = staging.to_device(arrays, device)
+    assert out["absent"] is None
+    for name, t in arrays.items():
+        if t is not None:
+            assert out[name].device.type == torch.device(device).type and torch.equal(out[name].cpu(), t), name
+            assert t.numel() == 0 or out[name].data_ptr() != t.data_ptr()  # never aliases the caller's tensor
+
+
+@pytest.mark.gpu
+def test_device_tensors_are_cloned_on_cuda():
+    t = torch.arange(10, dtype=torch.int32, device="cuda")
+    out = staging.to_device(dict(a=t, b=torch.arange(3, dtype=torch.int64)), "cuda")
+    assert torch.equal(out["a"], t) and out["a"].data_ptr() != t.data_ptr() and out["b"].is_cuda
