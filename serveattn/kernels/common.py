@@ -18,6 +18,9 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") =
 # its own and the result is a function of the source alone: an fp8 run equals, bitwise, the run on the
 # dequantized cache (API.md), on the GPU as under the interpreter.
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+# SERVEATTN_FP8_BOUNDARY=0 drops the operand boundary below: for measuring its cost only (scripts/probe_fp8.py);
+# without it an fp8 run is no longer bitwise the run on the dequantized cache.
+FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
 
 
 @triton.jit
@@ -65,8 +68,10 @@ def widen(x, dtype: tl.constexpr):
                 value = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), value)
             value = tl.where(negative, -value, value)
             return to_dtype(value, dtype)
-        else:
+        elif FP8_BOUNDARY:
             return _operand_boundary(x.to(dtype))
+        else:
+            return x.to(dtype)
     else:
         return x
 

@@ -1,0 +1,51 @@
+"""fp8-KV decode speed probe (GPU): our decode on an e4m3 cache against the same call on its bf16 copy.
+
+Timing only (no bitwise check, unlike `python -m serveattn.bench fp8`), so that variants which give up the
+bitwise contract can be measured, e.g. SERVEATTN_FP8_BOUNDARY=0 (no operand boundary after widening) or
+SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
+
+    PYTHONPATH=$PWD python3 scripts/probe_fp8.py [--cases 64x8192,128x4096] [--tc]
+"""
+import argparse
+import os
+
+import torch
+import triton.testing
+
+import serveattn
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="64x8192,8x4096")
+    ap.add_argument("--tc", action="store_true", help="use_tensor_cores=True")
+    args = ap.parse_args()
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("SERVEATTN_")}
+    for case in args.cases.split(","):
+        batch, kv = map(int, case.split("x"))
+        pages = kv // PS
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        wide = (torch.randn(batch * pages, 2, PS, HKV, D, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
+        cache = {"fp8": wide, "bf16": wide.to(torch.bfloat16)}
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
+        last = torch.full((batch,), PS, dtype=torch.int32)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        ms = {}
+        for name, c in cache.items():
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                             use_tensor_cores=args.tc)
+            w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, kv_data_type=c.dtype)
+            out = torch.empty_like(q)
+            ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
+                                               rep=100, return_mode="median")
+        kv_bytes = 2 * batch * kv * HKV * D
+        print(f"{case} tc={args.tc} {knobs}: bf16 {ms['bf16']:.4f} ms ({2 * kv_bytes / ms['bf16'] / 1e9:.2f} TB/s), "
+              f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/bf16 speed "
+              f"{ms['bf16'] / ms['fp8']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
