@@ -6,6 +6,7 @@
 #   scripts/gpu_run.sh bench-prefill         # only the prefill benchmark
 #   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
+#   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -33,7 +34,8 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick" >&2; exit 2 ;;
+    bench-crossover|bench-crossover-quick) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick" >&2; exit 2 ;;
   esac
 done
 
@@ -102,6 +104,8 @@ for s in "${STEPS[@]}"; do
     bench-decode-quick) step_bench "--quick" bench-decode-quick decode ;;
     bench-fp8) step_bench "" bench-fp8 fp8 ;;
     bench-fp8-quick) step_bench "--quick" bench-fp8-quick fp8 ;;
+    bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
+    bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

@@ -11,7 +11,9 @@ fi
 # torch 2.13.0 is the CPU build on local disk; never let pip pull a CUDA build here.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
-"$VENV/bin/python" -m pip install -q "pytest>=7" "hypothesis>=6" "pytest-xdist" "tqdm"
+"$VENV/bin/python" -m pip install -q "pytest>=7" "hypothesis>=6" "pytest-xdist" "tqdm" "matplotlib"
+# The README's support matrix is generated from serveattn/policy.py and serveattn/routing.py: fail on drift.
+"$VENV/bin/python" scripts/support_matrix.py --check
 set +e
 "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
 rc=$?

@@ -1,6 +1,7 @@
 """Decode entry points with FlashInfer's names: batch decode over a paged cache, and single-request decode.
 
-Two routes serve a plan. The bandwidth route (`use_tensor_cores=False` on CUDA) runs `kernels/decode.py`
+Two routes serve a plan (under backend="auto", serveattn/routing.py picks between them for
+`use_tensor_cores=False` by the measured crossover). The bandwidth route runs `kernels/decode.py`
 with split-KV: `plan()` cuts long KV into chunks when the batch alone would not fill the GPU, partial
 states go to the caller's workspace, and a merge launch folds them in a fixed order. The tensor-core
 route (`use_tensor_cores=True`), rotary embedding, and `backend="torch"` run through the prefill family
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from . import backend as backends
+from . import routing
 from . import policy, staging
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
@@ -29,8 +31,10 @@ MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in
 
 
 def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int = 1) -> bool:
-    """The route `auto` takes: the bandwidth kernel already packs a KV group's query heads into one
-    tensor-core tile, so it serves one-row decode; several rows per request go to the prefill family."""
+    """Whether to ask for tensor cores: the bandwidth kernel already packs a KV group's query heads into one
+    tensor-core tile, so it serves one-row decode; several rows per request go to the prefill family. With
+    use_tensor_cores=False, backend="auto" still takes the tensor-core route where docs/routing.md measured it
+    no slower (serveattn/routing.py)."""
     return q_len_per_req > 1
 
 
@@ -153,7 +157,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[dict] = None
         self._graph_signature = None
-        self._graph_route = None
+        self._graph_route: Optional["routing.Decision"] = None  # under use_cuda_graph: the first plan's route
+        self._decision: Optional["routing.Decision"] = None
         self._graph_q_len: Optional[int] = None
         self._q_len_per_req = 1
         self.backend = None
@@ -200,17 +205,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"chunk).")
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name
             kv_data_type = data_type
-        route = backends.resolve(entry, self._backend_request, self.device)
-        if route == "triton" and not self._use_tensor_cores and pos_encoding_mode == "ROPE_LLAMA":
-            policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
-                                      "construct the wrapper with use_tensor_cores=True.")
-        # Several draft rows per request (speculative verify) always run on the tensor-core route: the
-        # bandwidth kernel serves one row, so use_tensor_cores=False with q_len_per_req > 1 is routed there too.
-        if route == "torch" or self._use_tensor_cores or q_len_per_req > 1 or tree is not None:
+        # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
+        # request and trees run on the tensor-core route whatever it says: the bandwidth kernel serves one row);
+        # under auto the measured crossover chooses between the kernels (the first choice holds under graphs).
+        decision = routing.choose_decode(entry, self._backend_request, routing.decode_request(
+            self.device, batch=indptr.numel() - 1 if isinstance(indptr, torch.Tensor) else 0,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, q_len_per_req=q_len_per_req, tree=tree is not None,
+            use_tensor_cores=self._use_tensor_cores, use_cuda_graph=self._use_cuda_graph),
+            self.device, self._graph_route)
+        route = decision.backend
+        if route == "torch" or decision.kernel == routing.TENSOR_CORE:
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
                                        q_len_per_req, tree)
+            self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
@@ -227,6 +238,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph:
             self._graph_q_len = 1
         self.backend = "triton"
+        self._decided(decision)
+
+    def _decided(self, decision: "routing.Decision") -> None:
+        """After a plan is installed: the route's reasons, and under CUDA graphs the route that holds."""
+        self._decision = decision
+        self.backend_fallback_reason = decision.reason
+        if self._use_cuda_graph and self._graph_route is None:
+            self._graph_route = decision
 
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import backend as backends
+from . import routing, vendor
 from . import policy, staging, torch_impl
 from .kernels import attention as attention_kernel
 from .quantization import segment_packbits
@@ -101,6 +101,8 @@ class Plan:
     # native tree verify (the decode wrapper's tree_parents): one int64 ancestor word per query row
     tree_mask_host: Optional[torch.Tensor] = None
     tree_mask: Optional[torch.Tensor] = None
+    # how backend="auto" resolved (serveattn/routing.py): the route and the declined candidates' reasons
+    decision: Optional[routing.Decision] = None
 
     def static_signature(self):
         """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
@@ -128,11 +130,13 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
-              graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None) -> Plan:
+              graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None,
+              held: Optional[routing.Decision] = None) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
-    the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set."""
+    the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
+    held: under use_cuda_graph=True, the route of the first plan (routing: it holds)."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -182,7 +186,13 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         policy.check_causal_lengths(entry, qo_lens, kv_lens)
 
     device = torch.device(device)
-    chosen = backends.resolve(entry, backend, device)
+    decision = routing.choose_prefill(entry, backend, routing.prefill_request(
+        device, paged=paged, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim=head_dim,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal, custom_mask=mask_host is not None,
+        tree=tree_mask is not None, window_left=window_left, soft_cap=logits_soft_cap,
+        rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens, kv_lens=kv_lens),
+        device, held)
+    chosen = decision.backend
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
     max_qo = graph_max_qo if graph_tiles else int(qo_lens.max()) if batch else 1
@@ -201,8 +211,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_host[-1]),
         tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
-        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host, tree_mask_host=tree_mask)
-    if chosen == "triton":
+        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host, tree_mask_host=tree_mask,
+        decision=decision)
+    if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         plan.work, plan.num_work_host = work, n
         plan.num_work = torch.tensor([n], dtype=torch.int32)
@@ -283,6 +294,7 @@ class _PrefillWrapper:
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
         self._graph_q_rows: Optional[int] = None
+        self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
         self.backend = None
         self.backend_fallback_reason = None
 
@@ -292,13 +304,16 @@ class _PrefillWrapper:
 
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
-        if plan.backend == "triton":
+        if plan.backend != "torch":
             if self._use_cuda_graph:
                 plan = self._install_graph_plan(plan)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
                 plan = replace(plan, **staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device))
         self._plan = plan
         self.backend = plan.backend
+        self.backend_fallback_reason = plan.decision.reason if plan.decision is not None else None
+        if self._use_cuda_graph and self._held is None:
+            self._held = plan.decision  # the first resolution holds: the captured graph reads its buffers
 
     def _install_graph_plan(self, plan: Plan) -> Plan:
         """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
@@ -385,6 +400,11 @@ class _PrefillWrapper:
     def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, descales=None):
         self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
         plan = self._plan
+        if plan.backend == "cudnn":
+            try:
+                return vendor.prefill(q, k, v, out, lse, return_lse, plan, self._kv_layout, k_scale, v_scale)
+            except RuntimeError as exc:  # cuDNN could not build or run this shape: our kernel, from now on
+                plan = self._cudnn_failed(plan, exc)
         if out is None:
             out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
         if lse is None and return_lse:
@@ -398,6 +418,15 @@ class _PrefillWrapper:
             if grid0:
                 attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales)
         return (out, lse) if return_lse else out
+
+    def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:
+        reason = routing.cudnn_failed_at_run()
+        routing.log.warning("serveattn on %s: %s (%s: %s)", plan.device, reason, type(exc).__name__,
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        decision = routing.Decision("triton", reasons=plan.decision.reasons + (reason,))
+        self._plan = plan = replace(plan, backend="triton", decision=decision)
+        self.backend, self.backend_fallback_reason = plan.backend, decision.reason
+        return plan
 
     def _grid0(self, plan: Plan) -> int:
         if not self._use_cuda_graph:
@@ -450,7 +479,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask)
+            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
@@ -498,7 +527,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo)
+            graph_max_qo=self._graph_max_qo, held=self._held)
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,

@@ -28,8 +28,10 @@ def test_decode_real_sizes(case, use_tensor_cores):
     kv_lens = [max_kv] + [int(x) for x in torch.randint(0, max_kv + 1, (batch - 1,), generator=gen)]
     b = make_paged_batch(gen, qo_lens=[1] * batch, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                          page_size=16, dtype=torch.bfloat16, device="cuda")
+    # backend="triton": use_tensor_cores taken literally (under "auto" the routing table may take tensor cores
+    # for use_tensor_cores=False at large batch; tests/test_routing_gpu.py covers that)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                     use_tensor_cores=use_tensor_cores)
+                                                     use_tensor_cores=use_tensor_cores, backend="triton")
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, d, 16, q_data_type=torch.bfloat16)
     out = nan_like(b.q.shape, torch.bfloat16, "cuda")
     lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
@@ -60,8 +62,12 @@ def test_cuda_graph_replay_with_changing_page_tables(use_tensor_cores):
     indptr_buf = torch.empty(batch + 1, dtype=torch.int32, device="cuda")
     indices_buf = torch.empty(num_pages, dtype=torch.int32, device="cuda")
     last_buf = torch.empty(batch, dtype=torch.int32, device="cuda")
-    w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, indptr_buf, indices_buf, last_buf,
-                                                              use_tensor_cores=use_tensor_cores)
+    # backend="triton": each route exactly as use_tensor_cores names it (auto may take the tensor-core route
+    # for the bandwidth kernel at this batch)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+                                                     paged_kv_indptr_buffer=indptr_buf,
+                                                     paged_kv_indices_buffer=indices_buf,
+                                                     paged_kv_last_page_len_buffer=last_buf, backend="triton")
     q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).cuda()
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")

@@ -1,4 +1,5 @@
-"""``python -m serveattn.bench {prefill,decode,all} [--json PATH] [--quick] [--measure-ceilings] ...``
+"""``python -m serveattn.bench {prefill,decode,all} [--json PATH] [--plot DIR] [--quick] [--measure-ceilings] ...``
+and ``python -m serveattn.bench plot JSON [JSON ...] [--out docs/plots]`` (charts of saved runs, no GPU).
 
 Each family is a module with ``run(args, ceilings, checkpoint) -> dict`` (keys ``ok`` and ``report``,
 the markdown printed at the end) and optionally ``add_arguments(parser)``. Adding a family is one line
@@ -12,6 +13,7 @@ import sys
 import traceback
 
 from . import common
+from . import plot as plotting
 
 #: subcommand -> (module, one-line help). Order is the order of ``all``.
 FAMILIES = {
@@ -24,12 +26,16 @@ FAMILIES = {
     "verify": ("serveattn.bench.verify",
                "speculative verify: chain q_len_per_req 1..16 and 16/64-node trees vs k=1, eager / CUDA graph, "
                "vs FlashInfer, flash SDPA"),
+    "crossover": ("serveattn.bench.crossover", "backend='auto' crossovers: cuDNN vs our prefill, bandwidth vs "
+                  "tensor-core decode, split-KV; writes the docs/routing.md table"),
 }
 
 
 def _shared(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file "
                         "(rewritten after each case, so a cut-short run still leaves one)")
+    parser.add_argument("--plot", metavar="DIR", default=None,
+                        help="after the run, write one PNG chart per family to DIR/<family>.png (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer cases, shorter timing, one pass, one input set (a smoke run)")
     parser.add_argument("--measure-ceilings", action="store_true",
@@ -63,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m serveattn.bench",
         description="serveattn benchmarks: our kernels against the peers in one process, on the same random "
                     "data, with floors (bytes / copy bandwidth, flops / matrix rate). Needs a CUDA GPU.")
-    sub = parser.add_subparsers(dest="family", metavar="{" + ",".join(list(FAMILIES) + ["all"]) + "}")
+    sub = parser.add_subparsers(dest="family", metavar="{" + ",".join(list(FAMILIES) + ["all", "plot"]) + "}")
     sub.required = True
     for name, (_, help_) in FAMILIES.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -74,11 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     _shared(p)
     for name in FAMILIES:
         _family_arguments(name, p)
+    plotting.add_parser(sub)  # not a measuring family: not in FAMILIES, not in ``all``
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.family == "plot":
+        return plotting.main(args)
+    if args.plot:
+        try:  # before any GPU time is spent
+            plotting.require_matplotlib()
+        except ImportError as exc:
+            raise SystemExit(str(exc)) from None
     common.require_cuda()
 
     names = list(FAMILIES) if args.family == "all" else [args.family]
@@ -123,6 +137,8 @@ def main(argv=None) -> int:
     print("\n".join(header + reports), flush=True)
     if args.json:
         print(f"\nJSON: {args.json}")
+    if args.plot:
+        plotting.plot_after_run(payload, args.plot)
     return 0 if ok else 1
 
 

@@ -193,6 +193,8 @@ def _decode_wrapper(cls, meta: Meta, tensor_cores: bool, graph: bool):
         kwargs = dict(paged_kv_indptr_buffer=torch.empty(meta.batch + 1, **i32),
                       paged_kv_indices_buffer=torch.empty(meta.num_pages, **i32),
                       paged_kv_last_page_len_buffer=torch.empty(meta.batch, **i32))
+    if cls.__module__.startswith("serveattn"):  # measure the route named by use_tensor_cores, not auto's choice
+        kwargs["backend"] = "triton"
     w = cls(common.workspace(WORKSPACE_BYTES, DEVICE), "NHD", use_cuda_graph=graph, use_tensor_cores=tensor_cores,
             **kwargs)
     w.plan(meta.indptr, meta.indices, meta.last_page_len, HQ, HKV, HEAD_DIM, PAGE_SIZE,

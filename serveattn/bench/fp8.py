@@ -148,6 +148,8 @@ def _decode_prepare(cls, tc: bool, graph: bool, fp8: bool, meta, sets, host_scal
         kw = dict(paged_kv_indptr_buffer=torch.empty(meta.batch + 1, **i32),
                   paged_kv_indices_buffer=torch.empty(meta.num_pages, **i32),
                   paged_kv_last_page_len_buffer=torch.empty(meta.batch, **i32))
+    if cls.__module__.startswith("serveattn"):  # measure the route named by use_tensor_cores, not auto's choice
+        kw["backend"] = "triton"
     w = cls(common.workspace(decode.WORKSPACE_BYTES, decode.DEVICE), "NHD", use_cuda_graph=graph,
             use_tensor_cores=tc, **kw)
     w.plan(meta.indptr, meta.indices, meta.last_page_len, decode.HQ, decode.HKV, decode.HEAD_DIM, decode.PAGE_SIZE,

@@ -1,0 +1,637 @@
+"""backend="auto": which route serves a plan, and why the others were declined.
+
+Routes. Prefill (single, ragged, paged, cascade levels): ``cudnn`` (torch's cuDNN SDPA, serveattn/vendor.py),
+``triton`` (our prefill kernel on tensor cores), ``torch`` (plain PyTorch). Decode: ``triton`` with the
+``bandwidth`` kernel (kernels/decode.py, split-KV) or the ``tensor-core`` route (the prefill kernel, one row per
+request), or ``torch``.
+
+Two kinds of function, kept apart:
+
+- capability (``*_declines(req)``): can the route serve this request at all? They take a ``Request`` of plain
+  values (dtypes, head dim, flags, device type, architecture), so CPU tests cover them with any architecture,
+  and return ``None`` or the decline reason.
+- routing (``choose_prefill``, ``choose_decode``): among the capable routes, the one measured fastest. A capable
+  but slower route is not chosen; an incapable route is never chosen, however fast. The thresholds are the
+  per-architecture tables below, each naming the docs/routing.md table it was read from
+  (``python -m serveattn.bench crossover`` measures them); an architecture without a table gets the safe
+  defaults (our kernels, the bandwidth decode kernel, never cuDNN) and the reason says so.
+
+Every decline reason comes from one producer function (registered in ``PRODUCERS``); its text names the rule and
+its threshold, never the observed value, so that ``backend='auto'`` warns once per (device, reason) in the
+``serveattn`` logger. The wrappers keep the joined reasons in ``wrapper.backend_fallback_reason``.
+
+``auto`` resolves again on every ``plan()``, except under ``use_cuda_graph=True``: the first resolution holds
+(a captured graph holds that route's buffers), and the wrapper passes it back in as ``held``. An explicit
+backend is honoured or refused with a sentence (serveattn/backend.py), never rerouted; ``fa2``/``fa3`` are
+aliases of ``triton``; any other name is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from . import backend as backends
+from . import policy
+
+log = logging.getLogger("serveattn")
+
+TORCH, TRITON, CUDNN = "torch", "triton", "cudnn"
+BANDWIDTH, TENSOR_CORE = "bandwidth", "tensor-core"
+
+#: Head dims the cuDNN route takes: 256 needs cuDNN > 9.22 with frontend >= 1.24 on sm 9.0/10.x (torch's own
+#: check), which this library does not rely on.
+CUDNN_HEAD_DIMS = (64, 128)
+#: cuDNN SDPA refuses a key/value length of 1 (torch's check_cudnn_tensor_shapes).
+CUDNN_MIN_KV = 2
+#: cuDNN SDPA runs on compute capability 8.0 to 12.1 (torch's check_cudnn_hardware_support).
+CUDNN_ARCHS = ((8, 0), (12, 1))
+#: ``SERVEATTN_CUDNN=0`` keeps ``auto`` off the cuDNN route (cuDNN builds an execution plan per new shape).
+CUDNN_ENV = "SERVEATTN_CUDNN"
+
+
+# ---------------------------------------------------------------- the measured tables
+
+@dataclasses.dataclass(frozen=True)
+class ArchTable:
+    """Crossovers measured on one GPU architecture (compute capability ``arch``).
+
+    ``cudnn_min_rows[(dtype, head_dim, group, causal)]``: cuDNN serves prefill when every request has at least
+    this many query rows (and kv_len == qo_len, the measured shape class); None: our kernel at every measured
+    size. ``decode_tc_min_programs_per_sm[(kv dtype, head_dim, group)]``: with ``use_tensor_cores=False`` the
+    tensor-core route serves decode when batch x num_kv_heads / SMs reaches this; None: never. A key that is
+    absent was not measured, and the default route holds there.
+    """
+
+    arch: Tuple[int, int]
+    name: str  # the docs/routing.md section: "sm90"
+    measured: str  # GPU, date, command of the numbers behind the constants
+    cudnn_min_rows: Mapping[Tuple[str, int, int, bool], Optional[int]]
+    decode_tc_min_programs_per_sm: Mapping[Tuple[str, int, int], Optional[float]]
+
+    @property
+    def prefill_table(self) -> str:
+        return f"docs/routing.md, table {self.name}-prefill-cudnn"
+
+    @property
+    def decode_table(self) -> str:
+        return f"docs/routing.md, table {self.name}-decode-tc"
+
+
+TABLES: Dict[Tuple[int, int], ArchTable] = {
+    (9, 0): ArchTable(
+        arch=(9, 0), name="sm90",
+        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-02: python -m serveattn.bench "
+                 "prefill / decode (docs/runs/2026-12-02T1129-prefill.log, docs/runs/2026-12-02T1158-decode.log)",
+        # docs/routing.md, table sm90-prefill-cudnn: cuDNN 0.67-0.85x of our ragged kernel's time at 16x2048,
+        # 1x4096, 1x8192, 1x16384 (GQA 32/8, head dim 128, bf16, causal); nothing below 2048 rows was measured.
+        cudnn_min_rows={("bfloat16", 128, 4, True): 2048},
+        # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core time 0.22 (1x8192), 0.68 (8x4096),
+        # 1.06 (32x2048), 1.00 (64x1024), 1.01 (64x8192, 128x4096) under CUDA graphs (GQA 32/8, head dim 128,
+        # bf16): the tensor-core route is not slower from 32 x 8 KV heads on 132 SMs up.
+        decode_tc_min_programs_per_sm={("bfloat16", 128, 4): 256 / 132},
+    ),
+}
+
+
+def table_for(arch: Optional[Tuple[int, int]]) -> Optional[ArchTable]:
+    return TABLES.get(tuple(arch)) if arch is not None else None
+
+
+def _measured_archs() -> str:
+    return ", ".join(f"sm {a[0]}.{a[1]}" for a in sorted(TABLES)) or "none"
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- requests
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a plan asks for, in plain values (the capability functions read nothing else)."""
+
+    kind: str = "prefill"  # "prefill" or "decode"
+    device_type: str = "cuda"
+    arch: Optional[Tuple[int, int]] = (9, 0)
+    num_sms: int = 132
+    q_dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype = torch.bfloat16
+    o_dtype: torch.dtype = torch.bfloat16
+    head_dim: int = 128
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    paged: bool = False
+    causal: bool = False
+    custom_mask: bool = False
+    tree: bool = False
+    window_left: int = -1
+    soft_cap: float = 0.0
+    rope: bool = False
+    use_cuda_graph: bool = False
+    batch: int = 1
+    min_qo_len: int = 1
+    max_qo_len: int = 1
+    min_kv_len: int = 1
+    max_kv_len: int = 1
+    q_len_per_req: int = 1  # decode
+    use_tensor_cores: bool = False  # decode
+
+    @property
+    def group(self) -> int:
+        return max(1, self.num_qo_heads // max(1, self.num_kv_heads))
+
+    @property
+    def equal_lengths(self) -> bool:
+        return self.min_qo_len == self.max_qo_len and self.min_kv_len == self.max_kv_len
+
+    @property
+    def programs_per_sm(self) -> float:
+        return self.batch * self.num_kv_heads / max(1, self.num_sms)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    type: str
+    arch: Optional[Tuple[int, int]]
+    num_sms: int
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceInfo("cuda", (props.major, props.minor), props.multi_processor_count)
+
+
+def device_info(device) -> DeviceInfo:
+    """The device type, compute capability and SM count routing reads (tests replace this function)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceInfo(device.type, None, 0)
+    return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dtype_or(value, default):
+    """A dtype from a torch dtype or its name, else ``default``: routing never refuses (policy does, later)."""
+    try:
+        return policy.canonical_dtype("routing", "dtype", value)
+    except ValueError:
+        return default
+
+
+def _int_or(value, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def prefill_request(device, *, paged, q_dtype, kv_dtype, o_dtype, head_dim, num_qo_heads, num_kv_heads, causal,
+                    custom_mask, tree, window_left, soft_cap, rope, use_cuda_graph, qo_lens, kv_lens) -> Request:
+    """The request of a validated prefill plan (lengths as int tensors on the host)."""
+    info = device_info(device)
+    batch = int(qo_lens.numel())
+    return Request(
+        kind="prefill", device_type=info.type, arch=info.arch, num_sms=info.num_sms, q_dtype=q_dtype,
+        kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        paged=paged, causal=bool(causal), custom_mask=bool(custom_mask), tree=bool(tree), window_left=window_left,
+        soft_cap=float(soft_cap or 0.0), rope=bool(rope), use_cuda_graph=bool(use_cuda_graph), batch=batch,
+        min_qo_len=int(qo_lens.min()) if batch else 0, max_qo_len=int(qo_lens.max()) if batch else 0,
+        min_kv_len=int(kv_lens.min()) if batch else 0, max_kv_len=int(kv_lens.max()) if batch else 0)
+
+
+def decode_request(device, *, batch, num_qo_heads, num_kv_heads, head_dim, q_data_type, kv_data_type,
+                   pos_encoding_mode, window_left, logits_soft_cap, q_len_per_req, tree, use_tensor_cores,
+                   use_cuda_graph) -> Request:
+    """The request of a decode plan, read before validation: values policy will refuse become harmless."""
+    info = device_info(device)
+    q_dtype = _dtype_or(q_data_type, torch.float16)
+    kv_dtype = _dtype_or(kv_data_type if kv_data_type is not None else q_dtype, q_dtype)
+    return Request(
+        kind="decode", device_type=info.type, arch=info.arch, num_sms=info.num_sms, q_dtype=q_dtype,
+        kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim=_int_or(head_dim, 0),
+        num_qo_heads=max(1, _int_or(num_qo_heads, 1)), num_kv_heads=max(1, _int_or(num_kv_heads, 1)), paged=True,
+        causal=False, tree=bool(tree), window_left=_int_or(window_left, -1),
+        soft_cap=float(logits_soft_cap) if isinstance(logits_soft_cap, (int, float)) else 0.0,
+        rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=bool(use_cuda_graph), batch=max(0, int(batch)),
+        q_len_per_req=_int_or(q_len_per_req, 1), use_tensor_cores=bool(use_tensor_cores))
+
+
+# ---------------------------------------------------------------- decline reasons: one producer each
+
+#: producer name -> function. Every reason a wrapper can carry comes from one of these.
+PRODUCERS: Dict[str, Callable[..., str]] = {}
+
+
+def _producer(fn: Callable[..., str]) -> Callable[..., str]:
+    PRODUCERS[fn.__name__] = fn
+    return fn
+
+
+@_producer
+def triton_needs_cuda() -> str:
+    return ("triton: backend='auto' runs the Triton kernels on CUDA tensors only; other devices run "
+            "backend='torch' (backend='triton' with TRITON_INTERPRET=1 runs the kernels through Triton's "
+            "interpreter).")
+
+
+@_producer
+def triton_needs_sm80() -> str:
+    return "triton: the Triton kernels need compute capability 8.0 or newer; backend='torch' serves older GPUs."
+
+
+@_producer
+def unmeasured_arch(route: str) -> str:
+    return (f"{route}: docs/routing.md has no crossover table for this GPU architecture (measured: "
+            f"{_measured_archs()}), so the safe defaults hold: our kernels, the bandwidth decode kernel for "
+            f"use_tensor_cores=False, never cuDNN.")
+
+
+@_producer
+def cudnn_needs_cuda() -> str:
+    return "cudnn: the cuDNN route runs on CUDA tensors only."
+
+
+@_producer
+def cudnn_needs_arch() -> str:
+    lo, hi = CUDNN_ARCHS
+    return f"cudnn: cuDNN SDPA runs on compute capability {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} only."
+
+
+@_producer
+def cudnn_not_prefill() -> str:
+    return "cudnn: the cuDNN route serves prefill (single and ragged), not decode."
+
+
+@_producer
+def cudnn_paged() -> str:
+    return "cudnn: a paged KV cache is not served (cuDNN SDPA reads contiguous K/V)."
+
+
+@_producer
+def cudnn_mask() -> str:
+    return "cudnn: a custom mask or tree mask is not served (only causal or no mask)."
+
+
+@_producer
+def cudnn_window() -> str:
+    return "cudnn: window_left >= 0 (a sliding window) is not served."
+
+
+@_producer
+def cudnn_soft_cap() -> str:
+    return "cudnn: logits_soft_cap > 0 is not served."
+
+
+@_producer
+def cudnn_rope() -> str:
+    return "cudnn: pos_encoding_mode='ROPE_LLAMA' is not served (apply RoPE before the call)."
+
+
+@_producer
+def cudnn_dtype() -> str:
+    return "cudnn: q, K/V and the output must share one 16-bit dtype (float16 or bfloat16); fp8 is not served."
+
+
+@_producer
+def cudnn_head_dim() -> str:
+    return f"cudnn: head dims {', '.join(map(str, CUDNN_HEAD_DIMS))} only."
+
+
+@_producer
+def cudnn_cuda_graph() -> str:
+    return "cudnn: not under use_cuda_graph=True (the cuDNN route allocates its output per call)."
+
+
+@_producer
+def cudnn_unequal_lengths() -> str:
+    return ("cudnn: requests of different lengths are not served (dense [B, H, S, D] only; torch's cuDNN "
+            "nested-tensor path is experimental and padding would waste the work).")
+
+
+@_producer
+def cudnn_causal_offset() -> str:
+    return ("cudnn: causal with kv_len != qo_len is not served (API.md's causal mask is bottom-right aligned; "
+            "SDPA's is_causal is top-left).")
+
+
+@_producer
+def cudnn_short() -> str:
+    return f"cudnn: a request needs at least 1 query row and {CUDNN_MIN_KV} keys (cuDNN SDPA refuses kv length 1)."
+
+
+@_producer
+def cudnn_unavailable() -> str:
+    return ("cudnn: this torch has no cuDNN SDPA (torch.backends.cudnn.is_available() is False, or "
+            "torch.ops.aten._scaled_dot_product_cudnn_attention or torch.backends.cuda.can_use_cudnn_attention "
+            "is missing).")
+
+
+@_producer
+def cudnn_torch_declines() -> str:
+    return ("cudnn: torch.backends.cuda.can_use_cudnn_attention declines this shape or setting (cuDNN version, "
+            "head-dim limit, torch.use_deterministic_algorithms, torch.backends.cuda.enable_cudnn_sdp(False)).")
+
+
+@_producer
+def cudnn_disabled_env() -> str:
+    return f"cudnn: disabled by the environment ({CUDNN_ENV}=0)."
+
+
+@_producer
+def cudnn_unmeasured(table: str) -> str:
+    return (f"cudnn: no crossover measured for this dtype, head dim, group size and mask mode with kv_len == "
+            f"qo_len ({table}); our kernel holds until python -m serveattn.bench crossover measures it.")
+
+
+@_producer
+def cudnn_below_crossover(min_rows: Optional[int], table: str) -> str:
+    if min_rows is None:
+        return f"cudnn: our kernel was as fast or faster at every measured size ({table})."
+    return f"cudnn: below {min_rows} query rows per request our kernel is faster or unmeasured ({table})."
+
+
+@_producer
+def cudnn_failed_at_run() -> str:
+    return "cudnn: cuDNN raised at run(); this plan runs on our kernel from then on."
+
+
+@_producer
+def bandwidth_rows() -> str:
+    return "bandwidth: the bandwidth decode kernel serves one query row per request (q_len_per_req > 1)."
+
+
+@_producer
+def bandwidth_tree() -> str:
+    return "bandwidth: the bandwidth decode kernel does not serve tree_parents."
+
+
+@_producer
+def bandwidth_rope() -> str:
+    return "bandwidth: pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only."
+
+
+@_producer
+def bandwidth_fp8_query() -> str:
+    return "bandwidth: an fp8 query is served on the tensor-core route only."
+
+
+@_producer
+def bandwidth_mask() -> str:
+    return "bandwidth: the bandwidth decode kernel serves no custom mask."
+
+
+@_producer
+def bandwidth_above_crossover(threshold: float, table: str) -> str:
+    return (f"bandwidth: at {threshold:.2f} or more KV-head programs per SM (batch x num_kv_heads / SMs) the "
+            f"tensor-core route is as fast or faster ({table}).")
+
+
+@_producer
+def tensor_core_below_crossover(threshold: Optional[float], table: str) -> str:
+    if threshold is None:
+        return f"tensor-core: the bandwidth kernel was as fast or faster at every measured size ({table})."
+    return (f"tensor-core: below {threshold:.2f} KV-head programs per SM (batch x num_kv_heads / SMs) the "
+            f"bandwidth kernel's split-KV is faster ({table}).")
+
+
+@_producer
+def tensor_core_unmeasured(table: str) -> str:
+    return (f"tensor-core: no crossover measured for this KV dtype, head dim and group size ({table}); the "
+            f"bandwidth kernel holds until python -m serveattn.bench crossover measures it.")
+
+
+# ---------------------------------------------------------------- capability (plain arguments)
+
+def torch_declines(req: Request) -> Optional[str]:
+    """backend='torch' serves every request policy accepts (float32 math, eager)."""
+    return None
+
+
+def triton_declines(req: Request) -> Optional[str]:
+    """Our Triton kernels, as ``auto`` would take them."""
+    if req.device_type != "cuda":
+        return triton_needs_cuda()
+    if req.arch is None or tuple(req.arch) < (8, 0):
+        return triton_needs_sm80()
+    return None
+
+
+def bandwidth_declines(req: Request) -> Optional[str]:
+    """The bandwidth decode kernel (one row per request, no mask; rope and fp8 queries on tensor cores)."""
+    why = triton_declines(req)
+    if why is not None:
+        return why
+    if req.q_len_per_req > 1:
+        return bandwidth_rows()
+    if req.tree:
+        return bandwidth_tree()
+    if req.custom_mask:
+        return bandwidth_mask()
+    if req.rope:
+        return bandwidth_rope()
+    if req.q_dtype in policy.FP8_DTYPES:
+        return bandwidth_fp8_query()
+    return None
+
+
+def cudnn_declines(req: Request) -> Optional[str]:
+    """torch's cuDNN SDPA as this library runs it (serveattn/vendor.py): single or ragged prefill of requests of
+    one length, contiguous K/V, causal only when kv_len == qo_len, one 16-bit dtype, no mask, window, soft cap,
+    RoPE or CUDA graph. torch's own check (vendor.torch_declines) is asked after this, on the real device."""
+    if req.device_type != "cuda":
+        return cudnn_needs_cuda()
+    lo, hi = CUDNN_ARCHS
+    if req.arch is None or not lo <= tuple(req.arch) <= hi:
+        return cudnn_needs_arch()
+    if req.kind != "prefill":
+        return cudnn_not_prefill()
+    if req.paged:
+        return cudnn_paged()
+    if req.custom_mask or req.tree:
+        return cudnn_mask()
+    if req.window_left >= 0:
+        return cudnn_window()
+    if req.soft_cap > 0:
+        return cudnn_soft_cap()
+    if req.rope:
+        return cudnn_rope()
+    if req.q_dtype not in policy.HALF_DTYPES or req.kv_dtype != req.q_dtype or req.o_dtype != req.q_dtype:
+        return cudnn_dtype()
+    if req.head_dim not in CUDNN_HEAD_DIMS:
+        return cudnn_head_dim()
+    if req.use_cuda_graph:
+        return cudnn_cuda_graph()
+    if not req.equal_lengths:
+        return cudnn_unequal_lengths()
+    if req.batch == 0 or req.min_qo_len < 1 or req.min_kv_len < CUDNN_MIN_KV:
+        return cudnn_short()
+    if req.causal and req.min_qo_len != req.min_kv_len:
+        return cudnn_causal_offset()
+    return None
+
+
+# ---------------------------------------------------------------- routing (measured crossovers)
+
+def cudnn_slower(req: Request) -> Optional[str]:
+    """Why the table does not choose cuDNN for a capable request, or None when it does."""
+    if os.environ.get(CUDNN_ENV, "1") == "0":
+        return cudnn_disabled_env()
+    table = table_for(req.arch)
+    if table is None:
+        return unmeasured_arch(CUDNN)
+    key = (dtype_name(req.q_dtype), req.head_dim, req.group, bool(req.causal))
+    if key not in table.cudnn_min_rows or req.min_qo_len != req.min_kv_len:
+        return cudnn_unmeasured(table.prefill_table)
+    min_rows = table.cudnn_min_rows[key]
+    if min_rows is None or req.min_qo_len < min_rows:
+        return cudnn_below_crossover(min_rows, table.prefill_table)
+    return None
+
+
+def decode_tensor_cores(req: Request) -> Tuple[bool, str]:
+    """For a request the bandwidth kernel can serve: (take the tensor-core route?, the declined route's reason)."""
+    table = table_for(req.arch)
+    if table is None:
+        return False, unmeasured_arch(TENSOR_CORE)
+    key = (dtype_name(req.kv_dtype), req.head_dim, req.group)
+    if key not in table.decode_tc_min_programs_per_sm:
+        return False, tensor_core_unmeasured(table.decode_table)
+    threshold = table.decode_tc_min_programs_per_sm[key]
+    if threshold is not None and req.programs_per_sm >= threshold:
+        return True, bandwidth_above_crossover(threshold, table.decode_table)
+    return False, tensor_core_below_crossover(threshold, table.decode_table)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The resolved route: backend ("cudnn", "triton", "torch"), for decode the kernel ("bandwidth",
+    "tensor-core"), and the reasons of the declined candidates."""
+
+    backend: str
+    kernel: Optional[str] = None
+    reasons: Tuple[str, ...] = ()
+
+    @property
+    def reason(self) -> Optional[str]:
+        return " ".join(self.reasons) if self.reasons else None
+
+
+_FORCED: Dict[str, Optional[str]] = {"prefill": None, "decode": None}
+
+
+@contextlib.contextmanager
+def forced(prefill: Optional[str] = None, decode: Optional[str] = None):
+    """Within the block, ``auto`` takes the given route when it is capable and refuses with its reason when not
+    (for the crossover benchmark and tests): prefill "cudnn" | "triton" | "torch", decode "bandwidth" |
+    "tensor-core" | "torch". Not thread-safe; not for serving."""
+    saved = dict(_FORCED)
+    _FORCED.update(prefill=prefill, decode=decode)
+    try:
+        yield
+    finally:
+        _FORCED.update(saved)
+
+
+_warned: set = set()
+
+
+def warn_once(device, reason: str) -> None:
+    """Logs ``reason`` at WARNING once per (device, reason) in this process."""
+    key = (str(device), reason)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("serveattn on %s, backend='auto': %s", device, reason)
+
+
+def _explicit(entry: str, backend: str, device) -> str:
+    return backends.resolve(entry, backend, device)
+
+
+def _auto_done(device, decision: Decision) -> Decision:
+    for reason in decision.reasons:
+        warn_once(device, reason)
+    return decision
+
+
+def choose_prefill(entry: str, backend: str, req: Request, device, held: Optional[Decision] = None) -> Decision:
+    """The route of a prefill plan: an explicit backend as given (or refused), ``held`` under CUDA graphs, else
+    cuDNN where capable and measured faster, else our kernel, else torch."""
+    policy.check_backend(entry, backend)
+    if backend != "auto":
+        return Decision(_explicit(entry, backend, device))
+    if held is not None:
+        return held
+    forced_route = _FORCED["prefill"]
+    if forced_route is not None:
+        return _forced_prefill(entry, forced_route, req, device)
+    why_triton = triton_declines(req)
+    if why_triton is not None:
+        return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
+    why = cudnn_declines(req) or cudnn_slower(req) or _vendor_declines(req, device)
+    if why is None:
+        return _auto_done(device, Decision(CUDNN))
+    return _auto_done(device, Decision(TRITON, reasons=(why,)))
+
+
+def _vendor_declines(req: Request, device) -> Optional[str]:
+    from . import vendor  # torch's own cuDNN check, on the device: asked last
+    return vendor.torch_declines(req, device)
+
+
+def _forced_prefill(entry: str, route: str, req: Request, device) -> Decision:
+    if route == TORCH:
+        return Decision(TORCH)
+    if route == CUDNN:
+        why = cudnn_declines(req) or _vendor_declines(req, device)
+    else:
+        why = triton_declines(req)
+    if why is not None:
+        policy.unsupported(entry, f"the forced route {route!r} cannot serve this plan: {why}")
+    return Decision(route)
+
+
+def choose_decode(entry: str, backend: str, req: Request, device, held: Optional[Decision] = None) -> Decision:
+    """The route of a decode plan. Explicit backends take ``use_tensor_cores`` literally (rows > 1 and trees run
+    on tensor cores, as documented; ROPE on the bandwidth kernel is refused). Under ``auto``,
+    ``use_tensor_cores=True`` is honoured and ``False`` lets the table choose between the two kernels."""
+    policy.check_backend(entry, backend)
+    if backend != "auto":
+        chosen = _explicit(entry, backend, device)
+        if chosen == TORCH:
+            return Decision(TORCH)
+        if req.rope and not req.use_tensor_cores:
+            policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
+                                      "construct the wrapper with use_tensor_cores=True.")
+        if req.use_tensor_cores or req.q_len_per_req > 1 or req.tree:
+            return Decision(TRITON, TENSOR_CORE)
+        return Decision(TRITON, BANDWIDTH)
+    if held is not None:
+        return held
+    forced_route = _FORCED["decode"]
+    if forced_route is not None:
+        return _forced_decode(entry, forced_route, req)
+    why_triton = triton_declines(req)
+    if why_triton is not None:
+        return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
+    if req.use_tensor_cores:
+        return Decision(TRITON, TENSOR_CORE)
+    why_bandwidth = bandwidth_declines(req)
+    if why_bandwidth is not None:
+        return _auto_done(device, Decision(TRITON, TENSOR_CORE, (why_bandwidth,)))
+    take_tc, why = decode_tensor_cores(req)
+    return _auto_done(device, Decision(TRITON, TENSOR_CORE if take_tc else BANDWIDTH, (why,)))
+
+
+def _forced_decode(entry: str, route: str, req: Request) -> Decision:
+    if route == TORCH:
+        return Decision(TORCH)
+    why = triton_declines(req)
+    if why is None and route == BANDWIDTH:
+        why = bandwidth_declines(req)
+    if why is not None:
+        policy.unsupported(entry, f"the forced route {route!r} cannot serve this plan: {why}")
+    return Decision(TRITON, route)

@@ -1,0 +1,84 @@
+"""The crossover benchmark's plumbing on the CPU: the whole flow once with tiny shapes (Triton interpreter,
+perf_counter, no graphs), the thresholds it derives, and the docs section it writes."""
+import json
+import os
+
+import pytest
+
+from serveattn.bench import common, crossover
+from serveattn.bench.__main__ import FAMILIES, build_parser
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU dry run needs TRITON_INTERPRET=1 set before triton is imported")
+def test_cpu_dry_run_measures_every_pair_and_writes_its_section(tmp_path):
+    doc = tmp_path / "routing.md"
+    doc.write_text("# Routing\n\nkept\n\n<!-- crossover:cpu:begin -->\nold\n<!-- crossover:cpu:end -->\n\n"
+                   "<!-- crossover:append -->\n")
+    result = crossover.cpu_dry_run(["--routing-md", str(doc)])
+    assert crossover.DEVICE == "cuda" and crossover.HKV == 8  # restored
+    assert result["ok"], result["report"]
+    by_pair = {}
+    for p in result["points"]:
+        by_pair.setdefault(p["pair"], []).append(p)
+    assert set(by_pair) == set(crossover.PAIRS)
+    (pre,) = by_pair["prefill-cudnn"]  # cuDNN needs CUDA: declined with the route's sentence, ours still timed
+    assert pre["status"] == "declined" and "cudnn: the cuDNN route runs on CUDA tensors only" in pre["reason"]
+    assert pre["triton_ms"] > 0 and pre.get("ratio") is None
+    for p in by_pair["decode-tc"] + by_pair["decode-split"]:  # one KV head on 2 "SMs": both batches split
+        assert p["status"] == "ok", p
+        assert p["diff"] < crossover.TOL and p["ratio"] > 0 and p["programs_per_sm"] == p["batch"] / 2
+    assert set(result["derived"]["decode_tc_min_programs_per_sm"]) == {"('bfloat16', 64, 2)"}
+    assert result["derived"]["cudnn_min_rows"] == {}  # a declined point leaves its config unmeasured
+
+    text = doc.read_text()
+    assert text.startswith("# Routing\n\nkept\n") and "\nold\n" not in text and text.count("crossover:cpu:begin") == 1
+    for name in ("#### Table cpu-prefill-cudnn", "#### Table cpu-decode-tc", "#### Table cpu-decode-split",
+                 "ratio bandwidth/tensor-core", "decode_tc_min_programs_per_sm={", "<!-- crossover:append -->"):
+        assert name in text, name
+    assert result["written"] == str(doc)
+    common.write_json(str(tmp_path / "x.json"), {"families": {"crossover": {k: v for k, v in result.items()
+                                                                             if k != "report"}}})
+    back = json.loads((tmp_path / "x.json").read_text())["families"]["crossover"]
+    assert len(back["points"]) == len(result["points"])
+
+
+def _pt(pair, ratio, status="ok", **kw):
+    return dict(pair=pair, ratio=ratio, status=status, **kw)
+
+
+def test_derive_cudnn_takes_the_smallest_length_from_which_cudnn_always_won():
+    key = dict(dtype="bfloat16", head_dim=128, group=4, causal=True)
+    pts = [_pt("prefill-cudnn", r, qo_len=s, batch=b, **key)
+           for s, b, r in ((512, 1, 1.2), (1024, 1, 0.9), (1024, 8, 1.01), (2048, 1, 0.8), (2048, 8, 0.7),
+                           (4096, 1, 0.8))]
+    assert crossover.derive_cudnn(pts) == {("bfloat16", 128, 4, True): 2048}
+    never = [_pt("prefill-cudnn", 1.1, qo_len=s, batch=1, **dict(key, group=8)) for s in (1024, 4096)]
+    assert crossover.derive_cudnn(never)[("bfloat16", 128, 8, True)] is None
+    gap = [_pt("prefill-cudnn", 0.8, qo_len=1024, batch=1, **key),
+           _pt("prefill-cudnn", None, "failed", qo_len=2048, batch=1, **key)]
+    assert crossover.derive_cudnn(gap) == {}  # a failed point: the config stays unmeasured
+
+
+def test_derive_decode_takes_the_smallest_load_from_which_tensor_cores_never_lost():
+    key = dict(dtype="bfloat16", head_dim=128, group=4)
+    pts = [_pt("decode-tc", r, programs_per_sm=x, batch=0, kv_len=0, **key)
+           for x, r in ((0.06, 0.22), (0.48, 0.68), (0.97, 0.96), (1.94, 1.06), (3.88, 1.0), (7.76, 1.01))]
+    assert crossover.derive_decode(pts) == {("bfloat16", 128, 4): 1.94}
+    dip = pts + [_pt("decode-tc", 0.99, programs_per_sm=7.76, batch=0, kv_len=0, **key)]
+    assert crossover.derive_decode(dip) == {("bfloat16", 128, 4): None}
+    literal = crossover.table_literal((9, 0), "H200", {("bfloat16", 128, 4, True): 2048}, {("bfloat16", 128, 4): 1.94})
+    assert "(9, 0): ArchTable(" in literal and "('bfloat16', 128, 4, True): 2048," in literal
+    assert "# docs/routing.md, table sm90-decode-tc" in literal and "('bfloat16', 128, 4): 1.94," in literal
+
+
+def test_command_line():
+    assert "crossover" in FAMILIES
+    args = build_parser().parse_args(["crossover", "--quick", "--pairs", "decode-tc", "--no-write"])
+    assert crossover._list(args, "decode_batches", int) == [1, 8, 32, 128] and args.no_write
+    pts = crossover._points(args, "decode-tc", 132)
+    assert [p["batch"] for p in pts] == [1, 8, 32, 128] and pts[2]["programs_per_sm"] == 32 * 8 / 132
+    full = build_parser().parse_args(["crossover"])
+    pre = crossover._points(full, "prefill-cudnn", 132)
+    assert all(p["batch"] * p["qo_len"] <= crossover.MAX_PREFILL_TOKENS for p in pre) and len(pre) == 60
