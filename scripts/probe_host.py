@@ -36,12 +36,13 @@ def main():
         out = torch.empty_like(q)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         for tc in (False, True):
-            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=tc)
+            # backend="triton": the route use_tensor_cores names (auto may pick the other one)
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=tc, backend="triton")
             host_idx = (indptr.cpu(), indices.cpu(), last.cpu())
             plan_us = per_call_us(lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             run_us = per_call_us(lambda: w.run(q, cache, out=out))
             print(f"decode batch {batch} kv {kv} tensor_cores={tc}: plan {plan_us:.1f} us, run {run_us:.1f} us")
-            if not tc:
+            if not tc and w._plan is not None:
                 p = w._plan
                 k, v = cache[:, 0], cache[:, 1]
                 launch_us = per_call_us(lambda: decode_kernel.launch(q, k, v, out, None, p, "NHD", p.num_work_host,

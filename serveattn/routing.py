@@ -87,14 +87,13 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
         measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-02: python -m serveattn.bench "
-                 "prefill / decode (docs/runs/2026-12-02T1129-prefill.log, docs/runs/2026-12-02T1158-decode.log)",
-        # docs/routing.md, table sm90-prefill-cudnn: cuDNN 0.67-0.85x of our ragged kernel's time at 16x2048,
-        # 1x4096, 1x8192, 1x16384 (GQA 32/8, head dim 128, bf16, causal); nothing below 2048 rows was measured.
-        cudnn_min_rows={("bfloat16", 128, 4, True): 2048},
-        # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core time 0.22 (1x8192), 0.68 (8x4096),
-        # 1.06 (32x2048), 1.00 (64x1024), 1.01 (64x8192, 128x4096) under CUDA graphs (GQA 32/8, head dim 128,
-        # bf16): the tensor-core route is not slower from 32 x 8 KV heads on 132 SMs up.
-        decode_tc_min_programs_per_sm={("bfloat16", 128, 4): 256 / 132},
+                 "crossover --quick (docs/runs/2026-12-02T1459-crossover.log)",
+        # docs/routing.md, table sm90-prefill-cudnn: the cuDNN route 0.69x (1024 rows) and 0.75x (4096 rows) of
+        # our kernel's time (GQA 32/8, head dim 128, bf16, causal, one request); below 1024 not measured.
+        cudnn_min_rows={("bfloat16", 128, 4, True): 1024},
+        # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core time 0.30, 0.68, 1.045, 1.014 at 0.06,
+        # 0.48, 1.94, 7.76 KV-head programs per SM (batch 1, 8, 32, 128 x KV 4096, 8 KV heads, 132 SMs).
+        decode_tc_min_programs_per_sm={("bfloat16", 128, 4): 1.939},
     ),
 }
 

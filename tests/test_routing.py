@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BF16, F16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 I32 = torch.int32
 H200 = routing.table_for((9, 0))
+MIN_ROWS = H200.cudnn_min_rows[("bfloat16", 128, 4, True)]  # the measured crossover, whatever it is
 #: Tests that run the kernels on CPU tensors (through the interpreter) under a faked GPU; on a CUDA machine the
 #: same ground is covered by tests/test_routing_gpu.py.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="kernels on CPU tensors: the interpreter only")
@@ -111,7 +112,7 @@ TRIGGERS = {
     "cudnn_unmeasured": (lambda mp, fg: _prefill_reason(pf(q_dtype=F16, kv_dtype=F16, o_dtype=F16)),
                          (H200.prefill_table,)),
     "cudnn_below_crossover": (lambda mp, fg: _prefill_reason(pf(min_qo_len=1000, max_qo_len=1000, min_kv_len=1000,
-                                                                max_kv_len=1000)), (2048, H200.prefill_table)),
+                                                                max_kv_len=1000)), (MIN_ROWS, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
     "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=4)), ()),
     "bandwidth_tree": (lambda mp, fg: routing.bandwidth_declines(dec(tree=True)), ()),
@@ -139,8 +140,8 @@ def test_decline_reason_and_its_producer(name, monkeypatch, fake_gpu):
 
 def test_reasons_name_the_threshold_not_the_observed_value():
     a = _prefill_reason(pf(min_qo_len=1000, max_qo_len=1000, min_kv_len=1000, max_kv_len=1000))
-    b = _prefill_reason(pf(min_qo_len=1500, max_qo_len=1500, min_kv_len=1500, max_kv_len=1500))
-    assert a == b and "2048" in a and "1000" not in a and "1500" not in b
+    b = _prefill_reason(pf(min_qo_len=900, max_qo_len=900, min_kv_len=900, max_kv_len=900))
+    assert a == b and str(MIN_ROWS) in a and "1000" not in a and "900" not in b
     c, d = _decode_reason(dec(batch=3)), _decode_reason(dec(batch=17))
     assert c == d and "1.94" in c and "17" not in d
     e, f = _decode_reason(dec(batch=40)), _decode_reason(dec(batch=200))
@@ -157,10 +158,11 @@ def test_prefill_choices(monkeypatch):
         return routing.choose_prefill("t", "auto", req, "cuda:0")
 
     assert choose(PF) == routing.Decision("cudnn")
-    assert choose(pf(min_qo_len=2048, max_qo_len=2048, min_kv_len=2048, max_kv_len=2048)).backend == "cudnn"
+    assert choose(pf(min_qo_len=MIN_ROWS, max_qo_len=MIN_ROWS, min_kv_len=MIN_ROWS,
+                     max_kv_len=MIN_ROWS)).backend == "cudnn"
     for req, reason in ((pf(paged=True), routing.cudnn_paged()),
-                        (pf(min_qo_len=2047, max_qo_len=2047, min_kv_len=2047, max_kv_len=2047),
-                         routing.cudnn_below_crossover(2048, H200.prefill_table)),
+                        (pf(min_qo_len=MIN_ROWS - 1, max_qo_len=MIN_ROWS - 1, min_kv_len=MIN_ROWS - 1,
+                            max_kv_len=MIN_ROWS - 1), routing.cudnn_below_crossover(MIN_ROWS, H200.prefill_table)),
                         (pf(num_qo_heads=8), routing.cudnn_unmeasured(H200.prefill_table)),
                         (pf(causal=False), routing.cudnn_unmeasured(H200.prefill_table)),
                         (pf(arch=(10, 0)), routing.unmeasured_arch("cudnn"))):
@@ -260,7 +262,7 @@ def test_warn_once_per_device_and_reason(caplog):
         routing.choose_prefill("t", "auto", pf(paged=True), "cuda:0")  # another reason
         routing.choose_prefill("t", "auto", PF, "cpu")  # torch's gate declines on the CPU: another reason
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    below_reason = routing.cudnn_below_crossover(2048, H200.prefill_table)
+    below_reason = routing.cudnn_below_crossover(MIN_ROWS, H200.prefill_table)
     assert sum(below_reason in m and "cuda:0" in m for m in msgs) == 1
     assert sum(below_reason in m and "cuda:1" in m for m in msgs) == 1
     assert sum(routing.cudnn_paged() in m for m in msgs) == 1
