@@ -123,10 +123,11 @@ def parse_case(name: str):
     return int(m.group(1)), int(m.group(2))
 
 
-def build_meta(batch: int, kv_len: int, seed: int = 0) -> Meta:
+def build_meta(batch: int, kv_len: int, seed: int = 0, device: Optional[str] = None) -> Meta:
+    """A shuffled page-16 table of `batch` requests of `kv_len` tokens (shared with bench verify)."""
     import torch
 
-    dev = DEVICE
+    dev = DEVICE if device is None else device
     per = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
     num_pages = batch * per
     g = torch.Generator().manual_seed(seed)

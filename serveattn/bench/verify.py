@@ -61,6 +61,8 @@ import types
 from typing import Callable, Dict, List, Optional
 
 from . import common
+from . import decode as decode_bench
+from .decode import Meta
 
 NAME = "verify"
 # Module variables so that a CPU dry run of the plumbing can change them (cpu_dry_run).
@@ -195,20 +197,6 @@ def make_trees(batch: int, nodes: int, depth: int) -> List[List[int]]:
 # ---------------------------------------------------------------- inputs
 
 @dataclasses.dataclass
-class Meta:
-    """The page table (int32 index tensors on the device), shared by every case and input set."""
-
-    batch: int
-    kv_len: int
-    indptr: object
-    indices: object        # a shuffled permutation of the pages
-    last_page_len: object
-    num_pages: int
-    page_of_token: object  # [batch * kv_len] int64 (request-major)
-    slot_of_token: object
-
-
-@dataclasses.dataclass
 class InputSet:
     q_all: object  # [B, max_rows, Hq, D]: the query of a request's last max_rows positions
     cache: object  # [pages, 2, PAGE_SIZE, Hkv, D]
@@ -216,21 +204,9 @@ class InputSet:
     vb: object
 
 
-def build_meta(batch: int, kv_len: int, seed: int = 0) -> Meta:
-    import torch
-
-    dev = DEVICE
-    per = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
-    num_pages = batch * per
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(num_pages, generator=g)  # shuffled page table
-    t = torch.arange(kv_len)
-    logical = torch.arange(batch).repeat_interleave(kv_len) * per + (t // PAGE_SIZE).repeat(batch)
-    i32 = dict(dtype=torch.int32, device=dev)
-    return Meta(batch=batch, kv_len=kv_len, indptr=torch.arange(0, num_pages + 1, per, **i32),
-                indices=perm.to(**i32), last_page_len=torch.full((batch,), kv_len - PAGE_SIZE * (per - 1), **i32),
-                num_pages=num_pages, page_of_token=perm[logical].to(dev),
-                slot_of_token=(t % PAGE_SIZE).repeat(batch).to(dev))
+def build_meta(batch: int, kv_len: int, seed: int = 0) -> "Meta":
+    """decode's shuffled page table, on this family's DEVICE."""
+    return decode_bench.build_meta(batch, kv_len, seed, device=DEVICE)
 
 
 def build_inputs(meta: Meta, max_rows: int, seed: int, contiguous: bool) -> InputSet:
