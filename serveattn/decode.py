@@ -400,16 +400,9 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
-    q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
-    kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
-    o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
-    policy.check_q_dtype(entry, q_dtype, "q_data_type", kv_dtype)
-    if q_dtype in policy.FP8_DTYPES:
-        policy.unsupported(entry, "an fp8 query is served on the tensor-core route only; construct the wrapper "
-                                  "with use_tensor_cores=True.")
-    policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
-    policy.check_o_dtype(entry, o_dtype)
-    return q_dtype, kv_dtype, o_dtype
+    return policy.decode_dtypes(entry, q_data_type, kv_data_type, o_data_type,
+                                "an fp8 query is served on the tensor-core route only; construct the wrapper with "
+                                "use_tensor_cores=True.")
 
 
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")

@@ -387,15 +387,10 @@ class ContextParallelDecode:
         policy.check_heads(entry, num_qo_heads, num_kv_heads)
         policy.check_head_dim(entry, head_dim)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size).numpy()
-        q_dtype = policy.canonical_dtype(entry, "q_data_type", q_data_type)
-        kv_dtype = policy.canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
-        o_dtype = policy.canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
-        policy.check_q_dtype(entry, q_dtype, "q_data_type", kv_dtype)
-        if q_dtype in policy.FP8_DTYPES:
-            policy.unsupported(entry, "an fp8 query is not served across ranks; an fp8 KV cache under a 16-bit "
-                                      "query is (kv_data_type with k_scale/v_scale).")
-        policy.check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
-        policy.check_o_dtype(entry, o_dtype)
+        q_dtype, kv_dtype, o_dtype = policy.decode_dtypes(
+            entry, q_data_type, kv_data_type, o_data_type,
+            "an fp8 query is not served across ranks; an fp8 KV cache under a 16-bit query is (kv_data_type with "
+            "k_scale/v_scale).")
         return dict(kv_lens=kv_lens.astype(np.int64), q_len=q_len_per_req, batch=kv_lens.size, q_dtype=q_dtype,
                     kv_dtype=kv_dtype, o_dtype=o_dtype,
                     sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),

@@ -153,6 +153,20 @@ def check_backend(entry: str, backend: str) -> None:
         refuse(entry, f"backend={backend!r} is not a backend; supported: {', '.join(map(repr, BACKENDS))}.")
 
 
+def decode_dtypes(entry: str, q_data_type, kv_data_type, o_data_type, fp8_query_refusal: str):
+    """(q, kv, o) dtypes of a plan whose route takes no fp8 query (refused with fp8_query_refusal); kv and o
+    default to q's dtype."""
+    q_dtype = canonical_dtype(entry, "q_data_type", q_data_type)
+    kv_dtype = canonical_dtype(entry, "kv_data_type", kv_data_type if kv_data_type is not None else q_dtype)
+    o_dtype = canonical_dtype(entry, "o_data_type", o_data_type if o_data_type is not None else q_dtype)
+    check_q_dtype(entry, q_dtype, "q_data_type", kv_dtype)
+    if q_dtype in FP8_DTYPES:
+        unsupported(entry, fp8_query_refusal)
+    check_kv_dtype(entry, kv_dtype, q_dtype, "kv_data_type")
+    check_o_dtype(entry, o_dtype)
+    return q_dtype, kv_dtype, o_dtype
+
+
 # ---------------------------------------------------------------- index tensors and page tables
 
 def check_index(entry: str, name: str, t, min_len: int = 0) -> None:
