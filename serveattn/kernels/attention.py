@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LAUNCH_OPTIONS, mma, narrow, to_dtype, widen
+from .common import EARLY_V, LAUNCH_OPTIONS, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
 P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448) and e5m2
@@ -92,6 +92,16 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
     dtype = q.dtype
+    # An fp8 V tile feeds the second product transposed (fp8 wgmma reads B K-major only), so Triton cannot
+    # stream it into shared memory with async copies; issuing its load before the first product hides the
+    # global latency behind QK^T and the softmax.
+    EARLY: tl.constexpr = EARLY_V and V.dtype.element_ty.is_fp8() and dtype.is_fp8()
+    dv = tl.arange(0, HEAD_DIM)
+    if EARLY:
+        if MASKED:
+            v_raw = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            v_raw = tl.load(V + v_off[:, None] + dv[None, :])
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         dh = tl.arange(0, HALF)
@@ -142,8 +152,9 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     p = tl.exp2(x - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    dv = tl.arange(0, HEAD_DIM)
-    if MASKED:
+    if EARLY:
+        v = v_raw
+    elif MASKED:
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])

@@ -21,6 +21,8 @@ LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 # SERVEATTN_FP8_BOUNDARY=0 drops the operand boundary below: for measuring its cost only (scripts/probe_fp8.py);
 # without it an fp8 run is no longer bitwise the run on the dequantized cache.
 FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
+# SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
+EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
 
 @triton.jit

@@ -1,0 +1,105 @@
+"""Compiles the prefill kernel for sm_90 on this (GPU-less) machine and summarises what Triton made of it:
+which matrix instruction each dot became, shared-memory round trips, async copies, TMA. Costs no device time.
+
+    python scripts/compile_probe.py --q bf16 --kv fp8e4nv            # bf16 query over an fp8 cache
+    python scripts/compile_probe.py --q fp8e4nv --kv fp8e4nv --dump /tmp/fp8   # writes ttgir/ptx there
+
+Pointers and strides carry tt.divisibility=16 as a real launch would (without it no load pipelines)."""
+import argparse
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from serveattn.kernels.attention import prefill_kernel  # noqa: E402
+from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
+
+FLOATS = {"qk_scale", "sm_scale", "soft_cap", "log2_theta", "rcp_scale", "v_scale"}
+INT_PTRS = {"work": "*i32", "num_work_ptr": "*i32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+            "kv_indices": "*i32", "last_page_len": "*i32", "mask_ptr": "*u8", "mask_indptr": "*i32",
+            "tree_mask": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_descale": "*fp32",
+            "k_descale": "*fp32", "v_descale": "*fp32"}
+
+
+def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages, paged, causal, page_size):
+    fp8_qkv = q.startswith("fp8")
+    constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
+                      PAGED=paged, CAUSAL=causal, HAS_MASK=False, HAS_WINDOW=False, SOFT_CAP=False, ROPE=False,
+                      RETURN_LSE=True, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
+                      FP8_QKV=fp8_qkv, TREE=False)
+    sig, attrs = {}, {}
+    for i, name in enumerate(prefill_kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name in ("Q",):
+            sig[name] = "*" + q
+        elif name in ("K", "V"):
+            sig[name] = "*" + kv
+        elif name == "O":
+            sig[name] = "*" + out
+        elif name == "LSE":
+            sig[name] = "*fp32"
+        elif name in INT_PTRS:
+            sig[name] = INT_PTRS[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        divisible = sig[name].startswith("*") or (name.startswith("stride") and not name.endswith(("lh",)))
+        if divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name, value in constexprs.items():
+        sig[name] = "constexpr"
+    src = ASTSource(prefill_kernel, sig, constexprs={(prefill_kernel.arg_names.index(k),): v
+                                                     for k, v in constexprs.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
+
+
+def summarise(ck):
+    ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+    count = lambda pat, text: len(re.findall(pat, text))  # noqa: E731
+    print("dots: warp_group_dot", count(r"ttng\.warp_group_dot ", ttgir), "| tt.dot", count(r"tt\.dot ", ttgir))
+    for m in re.finditer(r"#mma\d* = #ttg\.nvidia_mma<\{[^}]*\}>", ttgir):
+        print("  ", m.group(0))
+    print("local_alloc", count(r"ttg\.local_alloc", ttgir), "| local_load", count(r"ttg\.local_load", ttgir),
+          "| async_copy", count(r"async_copy_global_to_local", ttgir), "| tma", count(r"async_tma", ttgir))
+    print("ptx: wgmma", count(r"wgmma\.mma_async", ptx), "| mma.sync", count(r"mma\.sync", ptx),
+          "| cp.async", count(r"cp\.async\.", ptx), "| ldmatrix", count(r"ldmatrix", ptx),
+          "| stmatrix", count(r"stmatrix", ptx), "| shared mem", ck.metadata.shared, "B",
+          "| regs", getattr(ck, "n_regs", "?"))
+    for m in sorted(set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))):
+        print("  ", m)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--q", default="bf16")
+    ap.add_argument("--kv", default="bf16")
+    ap.add_argument("--out", default="bf16")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--tiles", default="128,128,8,2", help="block_m,block_n,warps,stages")
+    ap.add_argument("--ragged", action="store_true")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dump", help="folder to write ttgir/ptx into")
+    a = ap.parse_args()
+    bm, bn, w, s = map(int, a.tiles.split(","))
+    ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size)
+    summarise(ck)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for ext in ("ttgir", "ptx", "llir"):
+            with open(os.path.join(a.dump, "prefill." + ext), "w") as f:
+                f.write(ck.asm[ext])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Prefill speed probe (GPU): our paged causal prefill for bf16, kv8 (bf16 q over an e4m3 cache) and fp8 (e4m3 q
+and cache), timing only, so kernel knobs that give up a contract can be measured. One line per (case, dtype):
+
+    PYTHONPATH=$PWD python3 scripts/probe_prefill.py [--cases 1x8192,16x2048] [--kinds bf16,kv8,fp8]
+
+Knobs read from the environment: SERVEATTN_PREFILL_TILES=block_m,block_n,warps,stages, SERVEATTN_EARLY_V=0,
+SERVEATTN_FP8_BOUNDARY=0 (see serveattn/kernels/common.py)."""
+import argparse
+import os
+
+import torch
+import triton.testing
+
+import serveattn
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="1x8192")
+    ap.add_argument("--kinds", default="bf16,kv8,fp8")
+    args = ap.parse_args()
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("SERVEATTN_")}
+    e4m3 = torch.float8_e4m3fn
+    for case in args.cases.split(","):
+        batch, s = map(int, case.split("x"))
+        pages = s // PS
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        cache8 = torch.randn(batch * pages, 2, PS, HKV, D, device="cuda", generator=gen).to(e4m3)
+        q = torch.randn(batch * s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * s
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+        indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
+        last = torch.full((batch,), PS, dtype=torch.int32)
+        one = torch.ones(1, device="cuda")
+        flops = 2 * batch * s * s * HQ * D
+        for kind in args.kinds.split(","):
+            qd = e4m3 if kind == "fp8" else torch.bfloat16
+            kd = torch.bfloat16 if kind == "bf16" else e4m3
+            w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
+            w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd, kv_data_type=kd)
+            cache = cache8 if kd == e4m3 else cache8.to(kd)
+            if kind == "fp8":
+                qq = q.to(e4m3)
+                fn = lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)  # noqa: E731
+            else:
+                fn = lambda: w.run(q, cache)  # noqa: E731
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            print(f"{case} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
