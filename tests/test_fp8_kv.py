@@ -4,8 +4,11 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import serveattn
+from serveattn.kernels.common import widen
 from serveattn import reference
 from helpers import make_paged_batch, rel_err
 
@@ -151,3 +154,23 @@ def test_tensor_scales_are_read_in_the_kernel(route, device):
     wide_t, _ = _run_route(route, b, b.cache.to(torch.bfloat16), torch.bfloat16, torch.bfloat16, 64, "NHD", ks, vs,
                            device)
     assert torch.equal(out_t, wide_t)
+
+
+@triton.jit
+def _widen_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, widen(tl.load(X + i), Y.dtype.element_ty))
+
+
+@pytest.mark.parametrize("enc", ENCODINGS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_widen_every_fp8_code(enc, dtype, device):
+    """kernels/common.widen, the one place fp8 K/V is dequantized (bit-level on the GPU for bf16), gives what
+    torch's conversion gives for all 256 codes of each encoding: zeros' signs, subnormals, NaN, e5m2 inf."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device).repeat(4).view(enc)  # 1024: a 2-D-sized tile
+    out = torch.full(codes.shape, float("nan"), dtype=dtype, device=device)
+    _widen_kernel[(1,)](codes, out, N=codes.numel())
+    want = codes.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))  # bitwise: signed zeros too

@@ -21,6 +21,8 @@ LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 # SERVEATTN_FP8_BOUNDARY=0 drops the operand boundary below: for measuring its cost only (scripts/probe_fp8.py);
 # without it an fp8 run is no longer bitwise the run on the dequantized cache.
 FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
+# SERVEATTN_FAST_WIDEN=0: fp8 -> bf16 through Triton's conversion (fp16 and back) instead of _fp8_to_bf16.
+FAST_WIDEN: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FAST_WIDEN", "1") == "1")
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
@@ -55,7 +57,6 @@ def widen(x, dtype: tl.constexpr):
     elif x.dtype.is_fp8():
         if INTERPRET:
             bits = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-            negative = (bits >> 7) != 0
             if x.dtype == tl.float8e4nv:  # e4m3fn: bias 7, 3 mantissa bits, one NaN pattern, no inf
                 e = (bits >> 3) & 0xF
                 m = bits & 0x7
@@ -68,14 +69,56 @@ def widen(x, dtype: tl.constexpr):
                 normal = (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
                 value = tl.where(e == 0, m.to(tl.float32) * 0.0000152587890625, normal)  # m * 2^-16
                 value = tl.where(e == 31, tl.where(m == 0, float("inf"), float("nan")), value)
-            value = tl.where(negative, -value, value)
+            # the sign as a bit (negating would turn -0 into +0 under the interpreter)
+            value = (value.to(tl.uint32, bitcast=True) | ((bits >> 7) << 31)).to(tl.float32, bitcast=True)
             return to_dtype(value, dtype)
+        elif FAST_WIDEN and dtype == tl.bfloat16:
+            return _fp8_to_bf16(x)
         elif FP8_BOUNDARY:
             return _operand_boundary(x.to(dtype))
         else:
             return x.to(dtype)
     else:
         return x
+
+
+def _fp8_to_bf16_asm(shift: int, mag: str, scale: str, special: str, carry: str) -> str:
+    """PTX turning 4 fp8 bytes ($2) into 4 bf16 ($0, $1). Per pair: a holds the two bytes in the high byte of
+    each 16-bit half; t = sign | (a >> shift) & mag, multiplied by `scale`; n has bit 15 of a half set where
+    the half's exponent (e4m3fn: exponent and mantissa) is all ones, and n - (n >> 15) turns that bit into
+    0x7FFF, of which bf16's exponent 0x7F80 is OR-ed into the product."""
+    pair = (f"and.b32 s, a, 0x80008000; shr.b32 t, a, {shift}; and.b32 t, t, {mag}; or.b32 t, t, s; "
+            f"fma.rn.bf16x2 t, t, k, z; and.b32 n, a, {special}; add.u32 n, n, {carry}; "
+            f"and.b32 n, n, 0x80008000; shr.b32 s, n, 15; sub.u32 n, n, s; and.b32 n, n, 0x7F807F80; ")
+    return (f"{{ .reg .b32 a, s, t, n, k, z; mov.b32 k, {scale}; mov.b32 z, 0x80008000; "
+            f"prmt.b32 a, $2, 0, 0x1404; {pair}or.b32 $0, t, n; "
+            f"prmt.b32 a, $2, 0, 0x3424; {pair}or.b32 $1, t, n; }}")
+
+
+# e4m3fn s.eeee.mmm -> bf16 bits s.0000eeee.mmm0000, times 2^120 (0x7B80); NaN: all 7 bits set.
+E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(4, "0x07F007F0", "0x7B807B80", "0x7F007F00",
+                                                           "0x01000100"))
+# e5m2 s.eeeee.mm -> s.000eeeee.mm00000, times 2^112 (0x7780); inf and NaN: exponent all ones.
+E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(3, "0x0FE00FE0", "0x77807780", "0x7C007C00",
+                                                           "0x04000400"))
+
+
+@triton.jit
+def _fp8_to_bf16(x):
+    """An fp8 tile in bf16, exactly, with integer ops and one bf16x2 multiply per pair of values.
+
+    Triton converts fp8 -> bf16 through fp16 (three conversions per pair), and conversions are among the
+    slowest instructions: a decode reading fp8 at full bandwidth would need more of them per clock than an
+    SM issues. Here each byte's sign and exponent/mantissa bits are placed where bf16 keeps them, which
+    reads as the value times 2^(bias_fp8 - bias_bf16) (fp8 subnormals land on bf16 subnormals, exact too),
+    and one fma.rn.bf16x2 by the inverse power of two restores it. Opaque (is_pure=False) like
+    `_operand_boundary`, so the dot that consumes the tile lays it out as it lays out a 16-bit load."""
+    if x.dtype == tl.float8e4nv:
+        asm: tl.constexpr = E4M3_TO_BF16
+    else:
+        asm: tl.constexpr = E5M2_TO_BF16
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
+                                     is_pure=False, pack=4)
 
 
 @triton.jit
