@@ -38,3 +38,18 @@ def test_device_tensors_are_cloned_on_cuda():
     t = torch.arange(10, dtype=torch.int32, device="cuda")
     out = staging.to_device(dict(a=t, b=torch.arange(3, dtype=torch.int64)), "cuda")
     assert torch.equal(out["a"], t) and out["a"].data_ptr() != t.data_ptr() and out["b"].is_cuda
+
+
+@pytest.mark.gpu
+def test_pinned_ring_never_overwrites_a_copy_in_flight():
+    """More plans than pinned buffers, back to back, behind a long kernel: every device copy keeps its bytes."""
+    gen = torch.Generator().manual_seed(2)
+    big = torch.randn(4096, 4096, device="cuda")
+    big @ big  # keep the stream busy so the copies queue behind it
+    sent = [dict(a=torch.randint(0, 1 << 30, (1000 + 97 * i,), generator=gen, dtype=torch.int32),
+                 b=torch.randint(0, 1 << 30, (5,), generator=gen, dtype=torch.int64)) for i in range(3 * staging._RING)]
+    got = [staging.to_device(arrays, "cuda") for arrays in sent]
+    torch.cuda.synchronize()
+    for arrays, out in zip(sent, got):
+        for name, t in arrays.items():
+            assert torch.equal(out[name].cpu(), t), name
