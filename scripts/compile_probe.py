@@ -24,15 +24,16 @@ FLOATS = {"qk_scale", "sm_scale", "soft_cap", "log2_theta", "rcp_scale", "v_scal
 INT_PTRS = {"work": "*i32", "num_work_ptr": "*i32", "qo_indptr": "*i32", "kv_indptr": "*i32",
             "kv_indices": "*i32", "last_page_len": "*i32", "mask_ptr": "*u8", "mask_indptr": "*i32",
             "tree_mask": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_descale": "*fp32",
-            "k_descale": "*fp32", "v_descale": "*fp32"}
+            "k_descale": "*fp32", "v_descale": "*fp32", "kv_tok_indptr": "*i32"}
 
 
-def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages, paged, causal, page_size):
+def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages, paged, causal, page_size,
+                    v_t=False):
     fp8_qkv = q.startswith("fp8")
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
                       PAGED=paged, CAUSAL=causal, HAS_MASK=False, HAS_WINDOW=False, SOFT_CAP=False, ROPE=False,
                       RETURN_LSE=True, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
-                      FP8_QKV=fp8_qkv, TREE=False)
+                      FP8_QKV=fp8_qkv, TREE=False, V_T=v_t)
     sig, attrs = {}, {}
     for i, name in enumerate(prefill_kernel.arg_names):
         if name in constexprs:
@@ -40,7 +41,7 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
             continue
         if name in ("Q",):
             sig[name] = "*" + q
-        elif name in ("K", "V"):
+        elif name in ("K", "V", "VT"):
             sig[name] = "*" + kv
         elif name == "O":
             sig[name] = "*" + out
@@ -52,7 +53,7 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-        divisible = sig[name].startswith("*") or (name.startswith("stride") and not name.endswith(("lh",)))
+        divisible = sig[name].startswith("*") or ("stride" in name and not name.endswith(("lh",)))
         if divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name, value in constexprs.items():
@@ -89,10 +90,12 @@ def main():
     ap.add_argument("--tiles", default="128,128,8,2", help="block_m,block_n,warps,stages")
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--vt", action="store_true", help="fp8 attention reading V from its transposed copy")
     ap.add_argument("--dump", help="folder to write ttgir/ptx into")
     a = ap.parse_args()
     bm, bn, w, s = map(int, a.tiles.split(","))
-    ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size)
+    ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
+                         a.vt)
     summarise(ck)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -16,6 +16,7 @@ import torch
 from . import routing, vendor
 from . import policy, staging, torch_impl
 from .kernels import attention as attention_kernel
+from .kernels.attention import VT_BLOCK_N
 from .quantization import segment_packbits
 
 
@@ -103,6 +104,10 @@ class Plan:
     tree_mask: Optional[torch.Tensor] = None
     # how backend="auto" resolved (serveattn/routing.py): the route and the declined candidates' reasons
     decision: Optional[routing.Decision] = None
+    # fp8 attention: V transposed per run (transposed_v); work items (request, first key) and column offsets
+    vt_work: Optional[torch.Tensor] = None
+    kv_tok_indptr: Optional[torch.Tensor] = None
+    vt_tokens: int = 0
 
     def static_signature(self):
         """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
@@ -272,7 +277,38 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
 
 
 _ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr",
-           "tree_mask")
+           "tree_mask", "vt_work", "kv_tok_indptr")
+
+
+def transposed_v(plan: Plan, use_cuda_graph: bool) -> Plan:
+    """fp8 attention (fp8 query and cache) on our kernel: schedules a transposed copy of V for each run.
+
+    fp8 tensor cores read both operands K-major, so the second product wants V with keys contiguous, which
+    the cache layout is not; transposed inside the attention kernel, every query tile of a request would
+    transpose the same V tiles again, through byte-wide shared-memory stores that cannot be pipelined.
+    Transposed once per run (transpose_v_kernel, one read and one write of V: about 1% of a 4096-token
+    prefill's time), V streams into the kernel like K. Only where a request has more than one query tile (V
+    is then read more than once) and not under CUDA graphs (the copy's size follows the batch).
+    SERVEATTN_FP8_VT=0 turns it off (for measuring it)."""
+    if (plan.backend != "triton" or use_cuda_graph or plan.q_dtype not in policy.FP8_DTYPES or plan.batch == 0
+            or os.environ.get("SERVEATTN_FP8_VT", "1") != "1"):
+        return plan
+    qo_lens = plan.qo_indptr_host[1:] - plan.qo_indptr_host[:-1]
+    if int(qo_lens.max()) * plan.group <= plan.tiles.block_m:
+        return plan
+    # Each request's columns padded to whole blocks of both kernels (powers of two: the larger is a multiple of
+    # the smaller), zero-filled: whole-block V loads, 16-byte aligned starts.
+    pad = max(plan.tiles.block_n, VT_BLOCK_N, 16)
+    padded = (plan.kv_lens_host.to(torch.int64) + pad - 1) // pad * pad
+    blocks = padded // VT_BLOCK_N
+    if int(blocks.sum()) == 0:
+        return plan
+    cols = torch.zeros(plan.batch + 1, dtype=torch.int64)
+    cols[1:] = torch.cumsum(padded, 0)
+    req = torch.repeat_interleave(torch.arange(plan.batch), blocks)
+    first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+    work = torch.stack([req, (torch.arange(req.numel()) - first) * VT_BLOCK_N], 1).reshape(-1)
+    return replace(plan, vt_work=work.to(torch.int32), kv_tok_indptr=cols.to(torch.int32), vt_tokens=int(cols[-1]))
 
 
 class _PrefillWrapper:
@@ -305,6 +341,7 @@ class _PrefillWrapper:
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
         if plan.backend != "torch":
+            plan = transposed_v(plan, self._use_cuda_graph)
             if self._use_cuda_graph:
                 plan = self._install_graph_plan(plan)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()

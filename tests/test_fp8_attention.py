@@ -121,6 +121,39 @@ def test_paged_fp8_attention_and_o_data_type(backend, device):
     assert rel_err(out, ref) < 5e-2
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transposed_v_equals_direct_v_bitwise(enc, layout, device, monkeypatch):
+    """fp8 attention reads V from a per-run transposed copy (prefill.transposed_v) where a request has several
+    query tiles: the same values in another layout, so the result is bitwise the direct read's. Shuffled pages,
+    partial last pages, an empty request, requests of one and of several query tiles."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"vt{enc}{layout}".encode()))
+    b = make_paged_batch(gen, qo_lens=[70, 0, 3, 41], kv_lens=[150, 21, 3, 77], num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.float32, kv_layout=layout, device=device)
+    q8, sq = _quantize(b.q.cpu(), enc, True)
+    cache8 = (b.cache * 4).to(enc)
+    one = torch.ones(1, device=device)
+    outs = []
+    for vt in ("1", "0"):
+        monkeypatch.setenv("SERVEATTN_FP8_VT", vt)
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                          layout, backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               q_data_type=enc, kv_data_type=enc)
+        assert (w._plan.vt_work is not None) == (vt == "1")
+        out = torch.full((b.q.shape[0], 8, 64), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((b.q.shape[0], 8), float("nan"), device=device)
+        w.run(q8.to(device), cache8, scale_q=sq.to(device), scale_k=one * 0.5, scale_v=one * 3, out=out, lse=lse)
+        outs.append((out, lse))
+    (out, lse), (out_direct, lse_direct) = outs
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out, out_direct) and torch.equal(lse, lse_direct)
+    ref, _ = reference.batch_paged(_dequant(q8, sq).to(device), cache8.double(), b.qo_indptr, b.kv_indptr,
+                                   b.kv_indices, b.last_page_len, causal=True, kv_layout=layout, k_scale=0.5,
+                                   v_scale=3.0)
+    assert rel_err(out, ref) < 5e-2
+
+
 def test_fp8_attention_refusals(device):
     enc = torch.float8_e4m3fn
     q8 = torch.randn(4, 8, 64).to(enc).to(device)

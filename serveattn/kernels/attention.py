@@ -15,6 +15,7 @@ import triton.language as tl
 from .common import EARLY_V, LAUNCH_OPTIONS, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
+VT_BLOCK_N = 64  # keys per transpose_v_kernel program
 P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448) and e5m2
 
 
@@ -78,12 +79,15 @@ def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
 def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left,
-            mask_ptr, mask_bit0, tree_bits, log2_theta, rcp_scale,
+            mask_ptr, mask_bit0, tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr):
-    """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i)."""
+            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr):
+    """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
+
+    V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
+    transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
     k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED)
@@ -95,7 +99,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     # An fp8 V tile feeds the second product transposed (fp8 wgmma reads B K-major only), so Triton cannot
     # stream it into shared memory with async copies; issuing its load before the first product hides the
     # global latency behind QK^T and the softmax.
-    EARLY: tl.constexpr = EARLY_V and V.dtype.element_ty.is_fp8() and dtype.is_fp8()
+    EARLY: tl.constexpr = EARLY_V and V.dtype.element_ty.is_fp8() and dtype.is_fp8() and not V_T
     dv = tl.arange(0, HEAD_DIM)
     if EARLY:
         if MASKED:
@@ -152,7 +156,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     p = tl.exp2(x - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if EARLY:
+    if V_T:
+        vt = VT + kvh.to(tl.int64) * vt_stride_h + dv[:, None].to(tl.int64) * vt_stride_d + (vt_base + n)[None, :]
+        v = tl.trans(tl.load(vt))  # unmasked (so it streams): keys past kv_len are zeros up to the block's end
+    elif EARLY:
         v = v_raw
     elif MASKED:
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
@@ -178,11 +185,12 @@ def prefill_kernel(
     mask_ptr, mask_indptr, tree_mask,
     qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale, k_scale_ptr, v_scale_ptr,
     q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
+    VT, kv_tok_indptr, vt_stride_h, vt_stride_d,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
     KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, FP8_QKV: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, V_T: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
@@ -195,6 +203,9 @@ def prefill_kernel(
         qo_len = tl.load(qo_indptr + req + 1) - q_start
         kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
         delta = kv_len - qo_len  # bottom-right alignment: row r sits at key position delta + r
+        vt_base = 0
+        if V_T:  # the request's first column in VT (a multiple of 16: prefill.transposed_v pads each request)
+            vt_base = tl.multiple_of(tl.load(kv_tok_indptr + req), 16)
 
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = rows // GROUP
@@ -262,22 +273,25 @@ def prefill_kernel(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
+                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
+                PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
         for n0 in range(mid_lo, mid_hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
+                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
+                PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
         for n0 in range(mid_hi, hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE)
+                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
+                PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
+                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
 
         out, lse = _finish(acc, l_i, m_i, out_scale)
         o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -286,6 +300,28 @@ def prefill_kernel(
         if RETURN_LSE:
             l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
             tl.store(LSE + l_row, lse, mask=row_ok)
+
+
+@triton.jit
+def transpose_v_kernel(V, VT, vt_work, kv_indptr, kv_indices, last_page_len, kv_tok_indptr,
+                       stride_vp, stride_vs, stride_vh, vt_stride_h, vt_stride_d,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr):
+    """VT[kv head, dim, kv_tok_indptr[req] + n] = V[request req's key n, kv head, dim] for one BLOCK_N block of
+    keys (work item (req, n0)) of one KV head: the layout fp8 tensor cores read V from (keys contiguous). Keys
+    past kv_len (the request's columns are padded to whole attention blocks) are written as zeros, so the
+    attention kernel reads whole blocks unmasked and never meets uninitialized bytes."""
+    kvh = tl.program_id(1)
+    req = tl.load(vt_work + 2 * tl.program_id(0))
+    n0 = tl.load(vt_work + 2 * tl.program_id(0) + 1)
+    kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < kv_len
+    off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
+    d = tl.arange(0, HEAD_DIM)
+    v = tl.load(V + off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+    col = tl.multiple_of(tl.load(kv_tok_indptr + req), 16) + n
+    dst = VT + kvh.to(tl.int64) * vt_stride_h + d[:, None].to(tl.int64) * vt_stride_d + col[None, :]
+    tl.store(dst, tl.trans(v))
 
 
 def kv_strides(t: torch.Tensor, kv_layout: str, paged: bool):
@@ -326,6 +362,14 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles
+    vt, vt_tokens = plan.work, 0
+    if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
+        vt_tokens = plan.vt_tokens
+        vt = torch.empty((plan.num_kv_heads, plan.head_dim, vt_tokens), dtype=v.dtype, device=v.device)
+        transpose_v_kernel[(plan.vt_work.numel() // 2, plan.num_kv_heads)](
+            v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
+            plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens,
+            HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N, PAGE_SIZE=plan.page_size, PAGED=plan.paged)
     prefill_kernel[(grid0, plan.num_kv_heads)](
         q, k, v, out, lse_arg,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
@@ -335,10 +379,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
+        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens,
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        FP8_QKV=fp8, TREE=plan.tree_mask is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **LAUNCH_OPTIONS,
     )

@@ -54,9 +54,9 @@ def decode_kernel(
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, False, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False)
+                KV_SAME_STRIDES, False, False)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if slot >= 0:
