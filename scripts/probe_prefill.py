@@ -4,6 +4,7 @@ and cache), timing only, so kernel knobs that give up a contract can be measured
     PYTHONPATH=$PWD python3 scripts/probe_prefill.py [--cases 1x8192,16x2048] [--kinds bf16,kv8,fp8]
 
 Knobs read from the environment: SERVEATTN_PREFILL_TILES=block_m,block_n,warps,stages, SERVEATTN_EARLY_V=0,
+SERVEATTN_FP8_VT=0 (no transposed V copy), SERVEATTN_FAST_WIDEN=0 (Triton's fp8 -> bf16 conversion),
 SERVEATTN_FP8_BOUNDARY=0 (see serveattn/kernels/common.py)."""
 import argparse
 import os

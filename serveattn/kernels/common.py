@@ -22,7 +22,9 @@ LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 # without it an fp8 run is no longer bitwise the run on the dequantized cache.
 FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
 # SERVEATTN_FAST_WIDEN=0: fp8 -> bf16 through Triton's conversion (fp16 and back) instead of _fp8_to_bf16.
-FAST_WIDEN: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FAST_WIDEN", "1") == "1")
+# SERVEATTN_FAST_WIDEN=2: _fp8_to_bf16 without its NaN/inf fix-up (measuring its cost only; not exact for those).
+_WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "1")
+FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
@@ -82,25 +84,27 @@ def widen(x, dtype: tl.constexpr):
         return x
 
 
-def _fp8_to_bf16_asm(shift: int, mag: str, scale: str, special: str, carry: str) -> str:
+def _fp8_to_bf16_asm(shift: int, mag: str, scale: str, carry: str, specials: bool = True) -> str:
     """PTX turning 4 fp8 bytes ($2) into 4 bf16 ($0, $1). Per pair: a holds the two bytes in the high byte of
-    each 16-bit half; t = sign | (a >> shift) & mag, multiplied by `scale`; n has bit 15 of a half set where
-    the half's exponent (e4m3fn: exponent and mantissa) is all ones, and n - (n >> 15) turns that bit into
-    0x7FFF, of which bf16's exponent 0x7F80 is OR-ed into the product."""
-    pair = (f"and.b32 s, a, 0x80008000; shr.b32 t, a, {shift}; and.b32 t, t, {mag}; or.b32 t, t, s; "
-            f"fma.rn.bf16x2 t, t, k, z; and.b32 n, a, {special}; add.u32 n, n, {carry}; "
-            f"and.b32 n, n, 0x80008000; shr.b32 s, n, 15; sub.u32 n, n, s; and.b32 n, n, 0x7F807F80; ")
-    return (f"{{ .reg .b32 a, s, t, n, k, z; mov.b32 k, {scale}; mov.b32 z, 0x80008000; "
+    each 16-bit half; u = (a >> shift) & mag is each code's magnitude in bf16's bit positions, t = u | sign,
+    multiplied by `scale`. u + carry sets a half's bit 15 exactly where the code's exponent (e4m3fn: exponent
+    and mantissa) is all ones; prmt's sign-replicating selectors (0x9, 0xB) spread that bit over its half, and
+    bf16's exponent 0x7F80 taken from it is OR-ed into the product: inf (zero mantissa) or NaN, signed."""
+    pair = (f"shr.b32 u, a, {shift}; and.b32 u, u, {mag}; and.b32 t, a, 0x80008000; or.b32 t, t, u; "
+            f"fma.rn.bf16x2 t, t, k, z; ")
+    if specials:
+        pair += f"add.u32 n, u, {carry}; prmt.b32 n, n, 0, 0xBB99; and.b32 n, n, 0x7F807F80; "
+    else:  # measuring only (SERVEATTN_FAST_WIDEN=2): NaN/inf codes come out finite
+        pair += "mov.b32 n, 0; "
+    return (f"{{ .reg .b32 a, u, t, n, k, z; mov.b32 k, {scale}; mov.b32 z, 0x80008000; "
             f"prmt.b32 a, $2, 0, 0x1404; {pair}or.b32 $0, t, n; "
             f"prmt.b32 a, $2, 0, 0x3424; {pair}or.b32 $1, t, n; }}")
 
 
-# e4m3fn s.eeee.mmm -> bf16 bits s.0000eeee.mmm0000, times 2^120 (0x7B80); NaN: all 7 bits set.
-E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(4, "0x07F007F0", "0x7B807B80", "0x7F007F00",
-                                                           "0x01000100"))
-# e5m2 s.eeeee.mm -> s.000eeeee.mm00000, times 2^112 (0x7780); inf and NaN: exponent all ones.
-E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(3, "0x0FE00FE0", "0x77807780", "0x7C007C00",
-                                                           "0x04000400"))
+# e4m3fn s.eeee.mmm -> bf16 bits s.0000eeee.mmm0000 (magnitude at most 0x07F0, the NaN code), times 2^120.
+E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(4, "0x07F007F0", "0x7B807B80", "0x78107810", _WIDEN != "2"))
+# e5m2 s.eeeee.mm -> s.000eeeee.mm00000 (inf/NaN from 0x0F80), times 2^112.
+E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(3, "0x0FE00FE0", "0x77807780", "0x70807080", _WIDEN != "2"))
 
 
 @triton.jit
