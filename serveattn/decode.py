@@ -110,7 +110,14 @@ def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
     """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
     kv = kv_lens.numpy()
     batch = kv.size
-    n_chunks = np.ones(batch, dtype=np.int64) if chunk is None else np.maximum((kv + chunk - 1) // chunk, 1)
+    if chunk is None:  # the common case: one item per request, no slots
+        work = np.zeros((batch, 4), dtype=np.int32)
+        work[:, 0] = np.arange(batch)
+        work[:, 2] = kv
+        work[:, 3] = -1
+        none = torch.zeros(batch, dtype=torch.int32)
+        return torch.from_numpy(work.reshape(-1)), batch, none, none.clone(), 0
+    n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
     index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
     lo = index * (chunk or 0)
@@ -225,7 +232,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
-        used = policy.host_array(indices)[: int(indptr[-1])]
+        used = indices.detach().to("cpu").numpy()[: int(indptr[-1])]  # min/max only: no int64 copy
         if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -292,11 +299,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _install(self, entry: str, plan: DecodePlan) -> None:
         """Checks the workspace, then copies the plan's arrays to the device; raises before any write."""
-        plan = replace(plan, **_partials(entry, self._workspace, plan.num_slots, plan.num_qo_heads, plan.head_dim))
+        partials = _partials(entry, self._workspace, plan.num_slots, plan.num_qo_heads, plan.head_dim)
         names = _PLAN_ARRAYS
-        if not self._use_cuda_graph:
-            self._plan = _to_device(plan, self.device)
+        if not self._use_cuda_graph:  # one dataclass copy: the partials and the device arrays together
+            self._plan = replace(plan, **partials, **staging.to_device({n: getattr(plan, n) for n in names},
+                                                                        self.device))
             return
+        plan = replace(plan, **partials)
         bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
         if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
