@@ -87,13 +87,27 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
         measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-02: python -m serveattn.bench "
-                 "crossover --quick (docs/runs/2026-12-02T1459-crossover.log)",
-        # docs/routing.md, table sm90-prefill-cudnn: the cuDNN route 0.69x (1024 rows) and 0.75x (4096 rows) of
-        # our kernel's time (GQA 32/8, head dim 128, bf16, causal, one request); below 1024 not measured.
-        cudnn_min_rows={("bfloat16", 128, 4, True): 1024},
-        # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core time 0.30, 0.68, 1.045, 1.014 at 0.06,
-        # 0.48, 1.94, 7.76 KV-head programs per SM (batch 1, 8, 32, 128 x KV 4096, 8 KV heads, 132 SMs).
-        decode_tc_min_programs_per_sm={("bfloat16", 128, 4): 1.939},
+                 "crossover --groups 1,4,8 --prefill-batches 1,8 --seq-lens 512,1024,2048,4096,8192 --causal-modes "
+                 "causal --decode-batches 1,4,8,16,32,64,128 --decode-kv-lens 1024,4096,16384 --pairs "
+                 "prefill-cudnn,decode-tc --rep-ms 40 --warmup-ms 10 --passes 2 "
+                 "(docs/runs/2026-12-02T1655-crossover.log)",
+        # docs/routing.md, table sm90-prefill-cudnn: cuDNN 0.53-0.95x of our kernel's time from 512 rows (groups 1,
+        # 4) and 1024 rows (group 8: 1.13x at 8 x 512); bf16, head dim 128, causal, batch 1 and 8. Non-causal and
+        # other head dims are not measured (our kernel holds there).
+        cudnn_min_rows={
+            ("bfloat16", 128, 1, True): 512,
+            ("bfloat16", 128, 4, True): 512,
+            ("bfloat16", 128, 8, True): 1024,
+        },
+        # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
+        # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties). Group 4 stays on the tensor-core
+        # route from 1.94 on; groups 1 and 8 had a point at or above every threshold where the bandwidth kernel was
+        # faster (by under 1%), so they keep the bandwidth kernel.
+        decode_tc_min_programs_per_sm={
+            ("bfloat16", 128, 1): None,
+            ("bfloat16", 128, 4): 1.939,
+            ("bfloat16", 128, 8): None,
+        },
     ),
 }
 
@@ -349,7 +363,8 @@ def cudnn_unmeasured(table: str) -> str:
 @_producer
 def cudnn_below_crossover(min_rows: Optional[int], table: str) -> str:
     if min_rows is None:
-        return f"cudnn: our kernel was as fast or faster at every measured size ({table})."
+        return (f"cudnn: from no measured length on was it faster at every longer one; our kernel holds "
+                f"({table}).")
     return f"cudnn: below {min_rows} query rows per request our kernel is faster or unmeasured ({table})."
 
 
@@ -392,7 +407,8 @@ def bandwidth_above_crossover(threshold: float, table: str) -> str:
 @_producer
 def tensor_core_below_crossover(threshold: Optional[float], table: str) -> str:
     if threshold is None:
-        return f"tensor-core: the bandwidth kernel was as fast or faster at every measured size ({table})."
+        return (f"tensor-core: from no measured size on was it as fast or faster at every larger one; the "
+                f"bandwidth kernel holds ({table}).")
     return (f"tensor-core: below {threshold:.2f} KV-head programs per SM (batch x num_kv_heads / SMs) the "
             f"bandwidth kernel's split-KV is faster ({table}).")
 

@@ -23,6 +23,11 @@ BF16, F16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 I32 = torch.int32
 H200 = routing.table_for((9, 0))
 MIN_ROWS = H200.cudnn_min_rows[("bfloat16", 128, 4, True)]  # the measured crossover, whatever it is
+
+
+def _rows(n):
+    """A prefill request of n query and n key rows (the default GQA 32/8, bf16, causal)."""
+    return pf(min_qo_len=n, max_qo_len=n, min_kv_len=n, max_kv_len=n)
 #: Tests that run the kernels on CPU tensors (through the interpreter) under a faked GPU; on a CUDA machine the
 #: same ground is covered by tests/test_routing_gpu.py.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="kernels on CPU tensors: the interpreter only")
@@ -111,8 +116,7 @@ TRIGGERS = {
     "cudnn_disabled_env": (lambda mp, fg: (mp.setenv("SERVEATTN_CUDNN", "0"), routing.cudnn_slower(PF))[1], ()),
     "cudnn_unmeasured": (lambda mp, fg: _prefill_reason(pf(q_dtype=F16, kv_dtype=F16, o_dtype=F16)),
                          (H200.prefill_table,)),
-    "cudnn_below_crossover": (lambda mp, fg: _prefill_reason(pf(min_qo_len=1000, max_qo_len=1000, min_kv_len=1000,
-                                                                max_kv_len=1000)), (MIN_ROWS, H200.prefill_table)),
+    "cudnn_below_crossover": (lambda mp, fg: _prefill_reason(_rows(MIN_ROWS - 1)), (MIN_ROWS, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
     "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=4)), ()),
     "bandwidth_tree": (lambda mp, fg: routing.bandwidth_declines(dec(tree=True)), ()),
@@ -139,9 +143,8 @@ def test_decline_reason_and_its_producer(name, monkeypatch, fake_gpu):
 
 
 def test_reasons_name_the_threshold_not_the_observed_value():
-    a = _prefill_reason(pf(min_qo_len=1000, max_qo_len=1000, min_kv_len=1000, max_kv_len=1000))
-    b = _prefill_reason(pf(min_qo_len=900, max_qo_len=900, min_kv_len=900, max_kv_len=900))
-    assert a == b and str(MIN_ROWS) in a and "1000" not in a and "900" not in b
+    a, b = _prefill_reason(_rows(MIN_ROWS - 1)), _prefill_reason(_rows(MIN_ROWS // 2 + 3))
+    assert a == b and str(MIN_ROWS) in a and str(MIN_ROWS - 1) not in a and str(MIN_ROWS // 2 + 3) not in b
     c, d = _decode_reason(dec(batch=3)), _decode_reason(dec(batch=17))
     assert c == d and "1.94" in c and "17" not in d
     e, f = _decode_reason(dec(batch=40)), _decode_reason(dec(batch=200))
@@ -163,7 +166,7 @@ def test_prefill_choices(monkeypatch):
     for req, reason in ((pf(paged=True), routing.cudnn_paged()),
                         (pf(min_qo_len=MIN_ROWS - 1, max_qo_len=MIN_ROWS - 1, min_kv_len=MIN_ROWS - 1,
                             max_kv_len=MIN_ROWS - 1), routing.cudnn_below_crossover(MIN_ROWS, H200.prefill_table)),
-                        (pf(num_qo_heads=8), routing.cudnn_unmeasured(H200.prefill_table)),
+                        (pf(num_qo_heads=16), routing.cudnn_unmeasured(H200.prefill_table)),  # group 2
                         (pf(causal=False), routing.cudnn_unmeasured(H200.prefill_table)),
                         (pf(arch=(10, 0)), routing.unmeasured_arch("cudnn"))):
         d = choose(req)
@@ -190,7 +193,7 @@ def test_decode_choices():
                         (dec(q_dtype=E4M3, kv_dtype=E4M3), routing.bandwidth_fp8_query())):
         assert choose(req) == routing.Decision("triton", "tensor-core", (reason,))
     # unmeasured: the bandwidth kernel holds, however large the batch
-    assert choose(dec(batch=256, num_qo_heads=8)) == routing.Decision(
+    assert choose(dec(batch=256, num_qo_heads=16)) == routing.Decision(  # group 2
         "triton", "bandwidth", (routing.tensor_core_unmeasured(table),))
     assert choose(dec(batch=256, kv_dtype=E4M3)).kernel == "bandwidth"
     assert choose(dec(batch=256, arch=(8, 0))) == routing.Decision(
@@ -252,12 +255,11 @@ def test_aliases_are_logged_once_and_run_triton(device, caplog):
 # ---------------------------------------------------------------- warn once
 
 def test_warn_once_per_device_and_reason(caplog):
-    below = pf(min_qo_len=100, max_qo_len=100, min_kv_len=100, max_kv_len=100)
+    below = _rows(MIN_ROWS // 4)
     with caplog.at_level(logging.WARNING, logger="serveattn"):
         for _ in range(3):
             routing.choose_prefill("t", "auto", below, "cuda:0")
-        routing.choose_prefill("t", "auto", pf(min_qo_len=1000, max_qo_len=1000, min_kv_len=1000, max_kv_len=1000),
-                               "cuda:0")  # another observed length, the same rule: no new warning
+        routing.choose_prefill("t", "auto", _rows(MIN_ROWS - 1), "cuda:0")  # another length, the same rule: no warning
         routing.choose_prefill("t", "auto", below, "cuda:1")  # another device
         routing.choose_prefill("t", "auto", pf(paged=True), "cuda:0")  # another reason
         routing.choose_prefill("t", "auto", PF, "cpu")  # torch's gate declines on the CPU: another reason
