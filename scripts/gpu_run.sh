@@ -75,7 +75,8 @@ step_tests() {
     echo "pytest is not importable on this machine; GPU tests not run." | tee "$OUT/gpu-tests.log"
     return 127
   fi
-  timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest tests -q -n ${TEST_WORKERS:-8} -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+  # -v names every result as it lands: a run cut by its timeout still shows which tests failed.
+  timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest tests -v --tb=line -rf -n ${TEST_WORKERS:-8} -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
     | tee "$OUT/gpu-tests.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 124 ] && echo "tests: stopped by the ${TESTS_TIMEOUT}s timeout"
