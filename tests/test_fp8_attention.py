@@ -155,6 +155,36 @@ def test_transposed_v_equals_direct_v_bitwise(enc, layout, device, monkeypatch):
     assert rel_err(out, ref) < 5e-2
 
 
+def test_transposed_v_only_where_it_pays(device):
+    """No transposed copy of V under CUDA graphs (its size follows the batch) or when every request fits one
+    query tile (V is read once anyway); the graph wrapper's result is still bitwise the eager one's."""
+    enc = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(11)
+    b = make_paged_batch(gen, qo_lens=[70, 5], kv_lens=[90, 40], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.float32, device=device)
+    q8, cache8 = b.q.to(enc), (b.cache * 4).to(enc)
+    one = torch.ones(1, device=device)
+    outs = []
+    for graph in (False, True):
+        bufs = dict(qo_indptr_buf=b.qo_indptr.clone(), paged_kv_indptr_buf=b.kv_indptr.clone(),
+                    paged_kv_indices_buf=b.kv_indices.clone(),
+                    paged_kv_last_page_len_buf=b.last_page_len.clone()) if graph else {}
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                          use_cuda_graph=graph, backend="triton", **bufs)
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               q_data_type=enc, kv_data_type=enc)
+        assert (w._plan.vt_work is None) == graph
+        outs.append(w.run(q8, cache8, scale_q=one, scale_k=one, scale_v=one))
+    assert torch.equal(outs[0], outs[1])
+    short = make_paged_batch(gen, qo_lens=[3, 5], kv_lens=[40, 9], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                             page_size=16, dtype=torch.float32, device=device)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                      backend="triton")
+    w.plan(short.qo_indptr, short.kv_indptr, short.kv_indices, short.last_page_len, 8, 2, 64, 16, causal=True,
+           q_data_type=enc, kv_data_type=enc)
+    assert w._plan.vt_work is None  # 5 tokens x 4 heads: one query tile
+
+
 def test_fp8_attention_refusals(device):
     enc = torch.float8_e4m3fn
     q8 = torch.randn(4, 8, 64).to(enc).to(device)
