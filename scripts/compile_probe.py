@@ -1,14 +1,19 @@
-"""Compiles the prefill kernel for sm_90 on this (GPU-less) machine and summarises what Triton made of it:
-which matrix instruction each dot became, shared-memory round trips, async copies, TMA. Costs no device time.
+"""Compiles the prefill or decode kernel for sm_90 on this (GPU-less) machine and summarises what Triton made
+of it: which matrix instruction each dot became, shared-memory round trips, async copies, TMA, and the SASS
+instruction mix (nvdisasm, shipped in triton's bin). Costs no device time.
 
     python scripts/compile_probe.py --q bf16 --kv fp8e4nv            # bf16 query over an fp8 cache
-    python scripts/compile_probe.py --q fp8e4nv --kv fp8e4nv --dump /tmp/fp8   # writes ttgir/ptx there
+    python scripts/compile_probe.py --q fp8e4nv --kv fp8e4nv --dump /tmp/fp8   # writes ttgir/ptx/sass there
+    python scripts/compile_probe.py --kernel decode --kv fp8e4nv --tiles 16,128,4,3
 
 Pointers and strides carry tt.divisibility=16 as a real launch would (without it no load pipelines)."""
 import argparse
+import collections
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -18,13 +23,15 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from serveattn.kernels.attention import prefill_kernel  # noqa: E402
+from serveattn.kernels.decode import decode_kernel  # noqa: E402
 from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
 
 FLOATS = {"qk_scale", "sm_scale", "soft_cap", "log2_theta", "rcp_scale", "v_scale"}
 INT_PTRS = {"work": "*i32", "num_work_ptr": "*i32", "qo_indptr": "*i32", "kv_indptr": "*i32",
             "kv_indices": "*i32", "last_page_len": "*i32", "mask_ptr": "*u8", "mask_indptr": "*i32",
             "tree_mask": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_descale": "*fp32",
-            "k_descale": "*fp32", "v_descale": "*fp32", "kv_tok_indptr": "*i32"}
+            "k_descale": "*fp32", "v_descale": "*fp32", "kv_tok_indptr": "*i32", "PART_O": "*fp32",
+            "PART_LSE": "*fp32"}
 
 
 def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages, paged, causal, page_size,
@@ -34,8 +41,19 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
                       PAGED=paged, CAUSAL=causal, HAS_MASK=False, HAS_WINDOW=False, SOFT_CAP=False, ROPE=False,
                       RETURN_LSE=True, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
                       FP8_QKV=fp8_qkv, TREE=False, V_T=v_t)
+    return _compile(prefill_kernel, constexprs, q, kv, out, warps, stages)
+
+
+def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size):
+    constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                      HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=True, HAS_WINDOW=False,
+                      SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False)
+    return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
+
+
+def _compile(kernel, constexprs, q, kv, out, warps, stages):
     sig, attrs = {}, {}
-    for i, name in enumerate(prefill_kernel.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
@@ -58,8 +76,8 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name, value in constexprs.items():
         sig[name] = "constexpr"
-    src = ASTSource(prefill_kernel, sig, constexprs={(prefill_kernel.arg_names.index(k),): v
-                                                     for k, v in constexprs.items()}, attrs=attrs)
+    src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
 
@@ -76,32 +94,52 @@ def summarise(ck):
           "| cp.async", count(r"cp\.async\.", ptx), "| ldmatrix", count(r"ldmatrix", ptx),
           "| stmatrix", count(r"stmatrix", ptx), "| shared mem", ck.metadata.shared, "B",
           "| regs", getattr(ck, "n_regs", "?"))
-    for m in sorted(set(re.findall(r"wgmma\.mma_async\.[\w.]+", ptx))):
+    for m in sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync\.aligned)\.[\w.]+", ptx))):
         print("  ", m)
+    sass = disassemble(ck.asm["cubin"])
+    ops = collections.Counter(op.split(".")[0] for op in re.findall(
+        r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M))
+    print("sass:", sum(ops.values()), "instructions;", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    return sass
+
+
+def disassemble(cubin: bytes) -> str:
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=("prefill", "decode"), default="prefill")
     ap.add_argument("--q", default="bf16")
     ap.add_argument("--kv", default="bf16")
     ap.add_argument("--out", default="bf16")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--tiles", default="128,128,8,2", help="block_m,block_n,warps,stages")
+    ap.add_argument("--tiles", default=None, help="block_m,block_n,warps,stages (default: 128,128,8,2 for "
+                                                  "prefill, 16,128,4,3 for decode; decode ignores block_m)")
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--vt", action="store_true", help="fp8 attention reading V from its transposed copy")
-    ap.add_argument("--dump", help="folder to write ttgir/ptx into")
+    ap.add_argument("--dump", help="folder to write ttgir/ptx/llir/sass into")
     a = ap.parse_args()
-    bm, bn, w, s = map(int, a.tiles.split(","))
-    ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
-                         a.vt)
-    summarise(ck)
+    bm, bn, w, s = map(int, (a.tiles or ("128,128,8,2" if a.kernel == "prefill" else "16,128,4,3")).split(","))
+    if a.kernel == "prefill":
+        ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
+                             a.vt)
+    else:
+        ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size)
+    sass = summarise(ck)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         for ext in ("ttgir", "ptx", "llir"):
-            with open(os.path.join(a.dump, "prefill." + ext), "w") as f:
+            with open(os.path.join(a.dump, f"{a.kernel}.{ext}"), "w") as f:
                 f.write(ck.asm[ext])
+        with open(os.path.join(a.dump, f"{a.kernel}.sass"), "w") as f:
+            f.write(sass)
 
 
 if __name__ == "__main__":
