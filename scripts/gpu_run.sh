@@ -7,6 +7,7 @@
 #   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
+#   scripts/gpu_run.sh probe-fp8             # fp8 timings with each measuring switch on and off (~4 min)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -34,8 +35,8 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    bench-crossover|bench-crossover-quick) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick" >&2; exit 2 ;;
+    bench-crossover|bench-crossover-quick|probe-fp8) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8" >&2; exit 2 ;;
   esac
 done
 
@@ -83,6 +84,19 @@ step_tests() {
   return "$rc"
 }
 
+step_probe_fp8() {  # fp8 A/B timings: every measuring switch of kernels/common.py and prefill.transposed_v
+  {
+    for widen in 1 2 0; do
+      SERVEATTN_FAST_WIDEN=$widen timeout 90 python3 scripts/probe_fp8.py --cases 64x8192,128x4096,8x4096
+    done
+    timeout 120 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384 --kinds bf16,kv8,fp8
+    SERVEATTN_FP8_VT=0 timeout 90 python3 scripts/probe_prefill.py --cases 1x8192 --kinds fp8
+    SERVEATTN_FP8_VT=0 SERVEATTN_EARLY_V=0 timeout 90 python3 scripts/probe_prefill.py --cases 1x8192 --kinds fp8
+    SERVEATTN_FAST_WIDEN=0 timeout 90 python3 scripts/probe_prefill.py --cases 1x8192 --kinds kv8
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -107,6 +121,7 @@ for s in "${STEPS[@]}"; do
     bench-fp8-quick) step_bench "--quick" bench-fp8-quick fp8 ;;
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
+    probe-fp8) step_probe_fp8 ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
