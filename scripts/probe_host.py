@@ -1,7 +1,13 @@
 """Host cost of one decode/prefill call on the GPU: plan(), run(), and the bare Triton launch inside run().
 
-Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py
+Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py [--profile]
+
+--profile also prints where the host time of the batch-256 bandwidth-route plan() and run() goes (cProfile,
+functions by own time): Triton's binder and launcher against our argument assembly and staging.
 """
+import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -23,7 +29,21 @@ def per_call_us(fn, n=300):
     return host
 
 
+def profile(label, fn, n=300):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- {label}: cProfile over {n} calls, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     for batch, kv in ((1, 8192), (256, 1024)):
@@ -48,6 +68,10 @@ def main():
                 launch_us = per_call_us(lambda: decode_kernel.launch(q, k, v, out, None, p, "NHD", p.num_work_host,
                                                                     p.batch if p.num_slots else 0))
                 print(f"    bare decode_kernel.launch (+merge: {bool(p.num_slots)}): {launch_us:.1f} us")
+                if args.profile and batch == 256:
+                    profile("decode plan, batch 256, bandwidth route",
+                            lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
+                    profile("decode run, batch 256, bandwidth route", lambda: w.run(q, cache, out=out))
     t0 = time.perf_counter()
     x = torch.empty(1, device=dev)
     torch.cuda.synchronize()
