@@ -13,7 +13,6 @@ import time
 import torch
 
 import serveattn
-from serveattn.kernels import attention as attention_kernel
 from serveattn.kernels import decode as decode_kernel
 
 

@@ -323,6 +323,18 @@ def poisoned_call(run, args, like):
     return call
 
 
+def poisoned_replay(static, graph):
+    """A check call for a captured graph: its static output filled with NaN, then one replay, then the output
+    (an element the kernel did not write stays NaN)."""
+
+    def call():
+        static.fill_(float("nan"))
+        graph.replay()
+        return static
+
+    return call
+
+
 def workspace(nbytes: int, device):
     """A uint8 workspace buffer of ``nbytes`` on ``device`` for a wrapper."""
     import torch

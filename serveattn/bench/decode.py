@@ -237,12 +237,7 @@ def _prepare_graph(cls, tensor_cores: bool, note: Callable, meta: Meta, sets: Li
         graphs, results = common.capture_cuda_graphs([functools.partial(w.run, s.q, s.cache) for s in sets])
         how = f"run(q, cache) captured (out= refused: {common.one_line(exc, 80)})"
     results = [common.first(r) for r in results]
-    static0, graph0 = results[0], graphs[0]
-
-    def poisoned():
-        static0.fill_(float("nan"))
-        graph0.replay()
-        return static0
+    poisoned = common.poisoned_replay(results[0], graphs[0])
 
     return common.Prepared(fns=[g.replay for g in graphs], poisoned=poisoned, poisoned_passes_out=False,
                            keep=(w, graphs, results, outs),

@@ -164,12 +164,7 @@ def _decode_prepare(cls, tc: bool, graph: bool, fp8: bool, meta, sets, host_scal
     outs = [torch.empty_like(s.q) for s in sets]
     graphs, results = common.capture_cuda_graphs([functools.partial(r, *a, out=o)
                                                   for r, a, o in zip(runs, args, outs)])
-    static0 = common.first(results[0])
-
-    def poisoned():
-        static0.fill_(float("nan"))
-        graphs[0].replay()
-        return static0
+    poisoned = common.poisoned_replay(common.first(results[0]), graphs[0])
 
     return common.Prepared(fns=[g.replay for g in graphs], poisoned=poisoned, poisoned_passes_out=False,
                            keep=(w, graphs, results, outs), note=note + "; one CUDA graph per input set")
