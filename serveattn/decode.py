@@ -38,9 +38,14 @@ def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int
     return q_len_per_req > 1
 
 
-def decode_tiles(head_dim: int, device: torch.device) -> TileConfig:
+def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> TileConfig:
     """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows).
-    SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only)."""
+    SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only).
+
+    An fp8 cache keeps the 16-bit cache's BLOCK_N and warps (they fix the softmax's summation order, so the
+    fp8 run stays bitwise the run on the dequantized cache) and pipelines deeper: its K/V gather depends on a
+    page-index load, so 3 stages leave one K/V buffer and half the bytes of a bf16 tile in flight. H200,
+    2026-12-02 (docs/runs/2026-12-02T1826-decode-tile-sweep*.txt): 5 stages 0.525 -> 0.481 ms at 64 x 8192."""
     override = os.environ.get("SERVEATTN_DECODE_TILES")
     if override and device.type == "cuda":
         return TileConfig(*map(int, override.split(",")))
@@ -48,7 +53,7 @@ def decode_tiles(head_dim: int, device: torch.device) -> TileConfig:
         return TileConfig(16, 32, 4, 1)
     if head_dim == 256:
         return TileConfig(16, 64, 4, 3)
-    return TileConfig(16, 128, 4, 3)
+    return TileConfig(16, 128, 4, 5 if kv_dtype.itemsize == 1 else 3)
 
 
 @dataclass
@@ -394,7 +399,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
     q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
-    tiles = decode_tiles(head_dim, device)
+    tiles = decode_tiles(head_dim, device, kv_dtype)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
     return DecodePlan(
