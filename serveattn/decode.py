@@ -97,7 +97,7 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
     """KV tokens per chunk (a multiple of block_n), or None when no request is split."""
     if disable_split_kv or kv_lens.numel() == 0:
         return None
-    max_kv = int(kv_lens.max())
+    max_kv = int(kv_lens.numpy().max())
     if fixed_split_size is not None:
         chunk = -(-fixed_split_size // block_n) * block_n
     else:
@@ -166,6 +166,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._bufs = dict(kv_indptr=paged_kv_indptr_buffer, kv_indices=paged_kv_indices_buffer,
                           last_page_len=paged_kv_last_page_len_buffer)
         self._plan: Optional[DecodePlan] = None
+        self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[dict] = None
         self._graph_signature = None
@@ -304,7 +305,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _install(self, entry: str, plan: DecodePlan) -> None:
         """Checks the workspace, then copies the plan's arrays to the device; raises before any write."""
-        partials = _partials(entry, self._workspace, plan.num_slots, plan.num_qo_heads, plan.head_dim)
+        key = (plan.num_qo_heads, plan.head_dim)
+        # the views cost host time: an unsplit plan (nothing to check against the workspace) reuses them
+        if plan.num_slots or self._partials_memo is None or self._partials_memo[0] != key:
+            self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots, *key))
+        partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
         if not self._use_cuda_graph:  # one dataclass copy: the partials and the device arrays together
             self._plan = replace(plan, **partials, **staging.to_device({n: getattr(plan, n) for n in names},

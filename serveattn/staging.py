@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
 _ALIGN = 8  # bytes: every array starts where its dtype (int64 at most) may be viewed
@@ -24,21 +25,22 @@ _RING = 4  # pinned buffers per device: a plan waits only if the copy 4 plans ag
 
 class _PinnedRing:
     def __init__(self):
-        self.buffers = [None] * _RING
+        self.buffers = [None] * _RING  # (pinned uint8 tensor, its numpy view)
         self.events = [None] * _RING
         self.next = 0
 
-    def stage(self, nbytes: int, device: torch.device):
-        """(a pinned uint8 host tensor of nbytes, its slot), after the copy that last read that slot is done."""
+    def stage(self, nbytes: int):
+        """(pinned uint8 tensor, its numpy view, slot) of at least nbytes, after the copy that last read that
+        slot is done."""
         i = self.next
         self.next = (i + 1) % _RING
         if self.events[i] is not None:
             self.events[i].synchronize()
         buf = self.buffers[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(4096, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8, pin_memory=True)
-            self.buffers[i] = buf
-        return buf[:nbytes], i
+        if buf is None or buf[0].numel() < nbytes:
+            t = torch.empty(max(4096, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8, pin_memory=True)
+            buf = self.buffers[i] = (t, t.numpy())
+        return buf[0], buf[1], i
 
     def copied(self, slot: int, device: torch.device):
         event = self.events[slot] or torch.cuda.Event()
@@ -49,31 +51,47 @@ class _PinnedRing:
 _rings: Dict[torch.device, _PinnedRing] = {}
 
 
+def _layout(arrays: Dict[str, np.ndarray]):
+    """(layout, total bytes): each array at an 8-byte aligned offset; total rounded up to 8 as well, so the
+    blob can be viewed as any dtype of up to 8 bytes."""
+    layout, offset = [], 0
+    for name, a in arrays.items():
+        offset += -offset % _ALIGN
+        layout.append((name, offset, a.nbytes, a.dtype, a.shape))
+        offset += a.nbytes
+    return layout, offset + (-offset % _ALIGN)
+
+
+def _host_arrays(arrays: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(t.numpy()) for name, t in arrays.items()}
+
+
+def _fill(dst: np.ndarray, arrays: Dict[str, np.ndarray], layout) -> None:
+    for (name, start, nbytes, _, _), a in zip(layout, arrays.values()):
+        dst[start:start + nbytes] = a.reshape(-1).view(np.uint8)
+
+
 def pack(arrays: Dict[str, torch.Tensor]):
     """(one uint8 host tensor, layout) holding the host tensors' bytes, each at an 8-byte aligned offset."""
-    chunks, layout, total = _chunks(arrays)
-    return (torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)), layout
-
-
-def _chunks(arrays: Dict[str, torch.Tensor]):
-    """(byte chunks with alignment padding, layout, total bytes) of host tensors packed back to back."""
-    layout, chunks, offset = [], [], 0
-    for name, t in arrays.items():
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        pad = -offset % _ALIGN
-        if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
-            offset += pad
-        layout.append((name, offset, raw.numel(), t.dtype, t.shape))
-        chunks.append(raw)
-        offset += raw.numel()
-    return chunks, layout, offset
+    host = _host_arrays(arrays)
+    layout, total = _layout(host)
+    blob = np.zeros(total, dtype=np.uint8)
+    _fill(blob, host, layout)
+    return torch.from_numpy(blob), [(n, s, b, _TORCH[d], sh) for n, s, b, d, sh in layout]
 
 
 def unpack(blob: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
-    """Views of `blob` (wherever it lives) with each array's dtype and shape."""
-    return {name: blob[start:start + nbytes].view(dtype).reshape(shape)
-            for name, start, nbytes, dtype, shape in layout}
+    """Views of `blob` (wherever it lives) with each array's dtype and shape: one typed view of the blob per
+    dtype, then one slice per array (each torch op on a CUDA tensor costs microseconds of host time)."""
+    typed: Dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for name, start, nbytes, dtype, shape in layout:
+        if dtype not in typed:
+            typed[dtype] = blob.view(dtype)
+        size = dtype.itemsize
+        t = typed[dtype][start // size:(start + nbytes) // size]
+        out[name] = t if len(shape) == 1 else t.view(shape)
+    return out
 
 
 def to_device(arrays: Dict[str, Optional[torch.Tensor]], device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
@@ -90,17 +108,23 @@ def to_device(arrays: Dict[str, Optional[torch.Tensor]], device: torch.device) -
         else:
             out[name] = t.to(device, copy=True)
     if host:
-        chunks, layout, total = _chunks(host)
-        if total == 0:
-            blob = torch.empty(0, dtype=torch.uint8, device=device)
-        else:
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        # numpy for the packing: a numpy slice assignment costs a fraction of a torch op's dispatch
+        arrays_np = _host_arrays(host)
+        layout, total = _layout(arrays_np)
+        layout = [(n, s, b, _TORCH[d], sh) for n, s, b, d, sh in layout]
+        blob = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+        if total:
             ring = _rings.setdefault(device, _PinnedRing())
-            staged, slot = ring.stage(total, device)
-            torch.cat(chunks, out=staged)
-            blob = torch.empty(total, dtype=torch.uint8, device=device)
-            blob.copy_(staged, non_blocking=True)
+            staged, staged_np, slot = ring.stage(total)
+            _fill(staged_np, arrays_np, layout)
+            blob.copy_(staged[:total] if staged.numel() != total else staged, non_blocking=True)
             ring.copied(slot, device)
         out.update(unpack(blob, layout))
     return out
+
+
+_TORCH = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16,
+          np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool,
+          np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}

@@ -471,6 +471,9 @@ def _spawn(world, tmp_path, steps, dist_backend="gloo", device_kind="cpu"):
             os.environ["TRITON_INTERPRET"] = saved
 
 
+@pytest.mark.skipif(tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="CPU ranks run Triton's interpreter, which fails on numpy >= 2.4 (scripts/test.sh pins "
+                           "numpy<2.4; the GPU machine ships 2.4)")
 def test_two_and_four_ranks_gloo(tmp_path):
     """One spawn of 4 processes (process start-up is most of the cost): first 2 ranks on a subgroup (both
     backends, k = 1, 2, 3, uneven and empty shards, fp8 caches, HND, a tuple cache, and the cross-rank
