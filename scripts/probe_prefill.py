@@ -2,6 +2,7 @@
 and cache), timing only, so kernel knobs that give up a contract can be measured. One line per (case, dtype):
 
     PYTHONPATH=$PWD python3 scripts/probe_prefill.py [--cases 1x8192,16x2048] [--kinds bf16,kv8,fp8]
+        [--tiles "128,128,8,2;128,256,8,2"]   # sweeps SERVEATTN_PREFILL_TILES in one process
 
 Knobs read from the environment: SERVEATTN_PREFILL_TILES=block_m,block_n,warps,stages, SERVEATTN_EARLY_V=0,
 SERVEATTN_FP8_VT=0 (no transposed V copy), SERVEATTN_FAST_WIDEN=0 (Triton's fp8 -> bf16 conversion),
@@ -21,7 +22,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x8192")
     ap.add_argument("--kinds", default="bf16,kv8,fp8")
+    ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_PREFILL_TILES values to sweep")
     args = ap.parse_args()
+    for tiles in args.tiles.split(";") if args.tiles else [None]:
+        if tiles:
+            os.environ["SERVEATTN_PREFILL_TILES"] = tiles
+        try:
+            probe(args)
+        except Exception as e:  # a tile that does not fit shared memory: say so, go on
+            print(f"tiles {tiles}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+
+
+def probe(args):
     knobs = {k: v for k, v in os.environ.items() if k.startswith("SERVEATTN_")}
     e4m3 = torch.float8_e4m3fn
     for case in args.cases.split(","):

@@ -30,7 +30,7 @@ class TileConfig:
 
 
 def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device,
-                 paged: bool) -> TileConfig:
+                 paged: bool, fp8: bool = False) -> TileConfig:
     """Tile shapes per head dim; small query blocks when a request has few (token, head) rows.
 
     max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it).
@@ -45,6 +45,12 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
     # pipelines best 2 deep, contiguous K/V 3 deep. Head dim 256 halves the tiles to fit shared memory.
     if head_dim == 256:
         block_m, block_n, warps, stages = 64, 64, 4, 2
+    elif fp8 and paged:
+        # fp8 q and KV (both products on fp8 wgmma), H200 sweep of 2026-12-02 (docs/runs/2026-12-02T1845-fp8-
+        # prefill-tile-sweep.txt): 64 x 128 tiles on one warpgroup, 5 deep (its tiles take half the shared memory
+        # of bf16's), 520 / 586 / 617 TFLOP/s at 4096 / 8192 / 16384 tokens against 396 / 439 / 468 for the bf16
+        # tiles; 7 stages no longer fit twice per SM (433 at 8192). Contiguous K/V was not swept: bf16's tiles.
+        block_m, block_n, warps, stages = 64, 128, 4, 5
     else:
         block_m, block_n, warps, stages = 128, 128, 8, 2 if paged else 3
     if max_qo_len is not None:
@@ -208,7 +214,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if graph_tiles and graph_max_qo is not None and batch and int(qo_lens.max()) > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
                              f"per request; the plan has {int(qo_lens.max())}.")
-    tiles = choose_tiles(head_dim, group, max_qo, device, paged)
+    tiles = choose_tiles(head_dim, group, max_qo, device, paged, fp8=q_dtype.itemsize == 1)
     rope = pos_encoding_mode == "ROPE_LLAMA"
     plan = Plan(
         paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
