@@ -30,7 +30,7 @@ FP8_MAX = 448.0  # e4m3fn
 DECODE_TOL, PREFILL_TOL = 2e-2, 6e-2
 DECODE_QUICK, PREFILL_QUICK = ("1x8192", "64x8192"), ("1x4096",)
 #: issue targets: fp8/bf16 speed of our decode (FlashInfer's is 1.02-1.20x), of our prefill at >= 4096 tokens.
-DECODE_TARGET = {"64x8192": 1.8, "128x4096": 1.8}
+DECODE_TARGET = {"64x8192": 1.8, "128x4096": 1.8, "8x4096": 1.4}
 PREFILL_TARGET = {"1x4096": 1.5, "1x8192": 1.5, "1x16384": 1.5}
 #: FlashInfer 0.7.2 fa3, fp8 q + fp8 KV, TFLOP/s on the H200 (/work/shared/baselines/h200-2026-12-02.md).
 FI_FA3_FP8_TFLOPS = {"1x4096": 598, "1x8192": 692, "1x16384": 746}
@@ -357,7 +357,8 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
         lines += ["### decode: fp8 KV cache vs our bf16 decode on cache8.to(bf16) (same scales)", "",
                   f"- {result['bytes_formula']}; TB/s = those bytes / time; floor: bytes / {bw:.2f} TB/s.",
                   f"- fp8 rows are checked bitwise against bf16 eager decode; all rows within {DECODE_TOL} of SDPA "
-                  f"on the dequantized K/V. Target: fp8/bf16 >= 1.8 at 64x8192, 128x4096 (FlashInfer: 1.02-1.20x).",
+                  f"on the dequantized K/V. Target: fp8/bf16 >= 1.8 at 64x8192, 128x4096, >= 1.4 at 8x4096 "
+                  f"(FlashInfer: 1.02-1.20x).",
                   ""]
         peers = [p for p in cfg["peers"]]
         rows, trows = [], []
