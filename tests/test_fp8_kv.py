@@ -174,3 +174,30 @@ def test_widen_every_fp8_code(enc, dtype, device):
     nan = want.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))  # bitwise: signed zeros too
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_tiles_keep_the_bitwise_contract(head_dim, monkeypatch):
+    """An fp8 cache may pipeline differently from its dequantized copy, but never tile it differently: BLOCK_N
+    fixes where the online softmax rescales and the warps fix the order of its row sums, so a tuning that
+    changed either for fp8 caches alone would break the bitwise contract on the GPU. Tiles are chosen on the
+    host, so this runs without one."""
+    from serveattn import prefill
+    from serveattn.decode import decode_tiles
+    gpu = torch.device("cuda", 0)
+    for enc in ENCODINGS:
+        for wide in (torch.bfloat16, torch.float16):
+            a, b = decode_tiles(head_dim, gpu, enc), decode_tiles(head_dim, gpu, wide)
+            assert (a.block_m, a.block_n, a.num_warps) == (b.block_m, b.block_n, b.num_warps)
+    # prefill: only an fp8 query (fp8 attention, no bitwise contract) asks for fp8 tiles; a 16-bit query over an
+    # fp8 cache gets the 16-bit query's tiles
+    asked = []
+    real = prefill.choose_tiles
+    monkeypatch.setattr(prefill, "choose_tiles", lambda *a, fp8=False: asked.append(fp8) or real(*a, fp8=fp8))
+    b = make_paged_batch(torch.Generator().manual_seed(5), qo_lens=[3], kv_lens=[20], num_qo_heads=4, num_kv_heads=2,
+                         head_dim=head_dim, page_size=16, dtype=torch.float32, device="cpu")
+    for q_dtype, kv_dtype in ((torch.bfloat16, ENCODINGS[0]), (torch.float16, ENCODINGS[1]), (ENCODINGS[0],) * 2):
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="torch")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, head_dim, 16, q_data_type=q_dtype,
+               kv_data_type=kv_dtype)
+    assert asked == [False, False, True]
