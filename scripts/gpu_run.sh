@@ -8,6 +8,7 @@
 #   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
 #   scripts/gpu_run.sh probe-fp8             # fp8 timings with each measuring switch on and off (~4 min)
+#   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -35,8 +36,8 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    bench-crossover|bench-crossover-quick|probe-fp8) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8" >&2; exit 2 ;;
+    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile" >&2; exit 2 ;;
   esac
 done
 
@@ -97,6 +98,11 @@ step_probe_fp8() {  # fp8 A/B timings: every measuring switch of kernels/common.
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_compile() {  # cold / warm first call in fresh processes (scripts/probe_compile.py)
+  timeout 300 python3 scripts/probe_compile.py 2>&1 | tee "$OUT/probe-compile.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -122,6 +128,7 @@ for s in "${STEPS[@]}"; do
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
     probe-fp8) step_probe_fp8 ;;
+    probe-compile) step_probe_compile ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
