@@ -9,6 +9,7 @@
 #   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
 #   scripts/gpu_run.sh probe-fp8             # fp8 timings with each measuring switch on and off (~4 min)
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
+#   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -36,8 +37,8 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile" >&2; exit 2 ;;
+    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile probe-decode-tiles" >&2; exit 2 ;;
   esac
 done
 
@@ -103,6 +104,17 @@ step_probe_compile() {  # cold / warm first call in fresh processes (scripts/pro
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_decode_tiles() {  # the bandwidth decode kernel (backend triton) under candidate tiles, per group
+  local tiles="16,128,4,3;16,128,4,5;16,64,2,4;16,64,2,6;16,64,4,4"
+  {
+    for kv_heads in 32 8 4; do
+      timeout 150 python3 scripts/probe_fp8.py --backend triton --kv-heads $kv_heads \
+        --cases 64x8192,128x4096,8x4096,1x8192 --tiles "$tiles"
+    done
+  } 2>&1 | tee "$OUT/probe-decode-tiles.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -129,6 +141,7 @@ for s in "${STEPS[@]}"; do
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
     probe-fp8) step_probe_fp8 ;;
     probe-compile) step_probe_compile ;;
+    probe-decode-tiles) step_probe_decode_tiles ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

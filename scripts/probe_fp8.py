@@ -5,6 +5,7 @@ bitwise contract can be measured, e.g. SERVEATTN_FP8_BOUNDARY=0 (no operand boun
 SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
 
     PYTHONPATH=$PWD python3 scripts/probe_fp8.py [--cases 64x8192,128x4096] [--tc] [--tiles "16,128,4,3;16,128,4,5"]
+        [--backend triton] [--kv-heads 4]
 
 --tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES for both plans) and
 says whether the fp8 output equals, bitwise, the bf16 run on the dequantized cache under the same tiles.
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--tc", action="store_true", help="use_tensor_cores=True")
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_DECODE_TILES values to sweep")
     ap.add_argument("--backend", default="auto", help="auto, or triton: the route --tc names for both caches")
+    ap.add_argument("--kv-heads", type=int, default=HKV, help="KV heads for the 32 query heads (group = 32 / this)")
     args = ap.parse_args()
     args.seen = {}  # (case, dtype, block_n) -> first output: do warps and stages change the bits?
     for tiles in args.tiles.split(";") if args.tiles else [None]:
@@ -43,25 +45,30 @@ def probe(args):
         batch, kv = map(int, case.split("x"))
         pages = kv // PS
         gen = torch.Generator(device="cuda").manual_seed(0)
-        wide = (torch.randn(batch * pages, 2, PS, HKV, D, device="cuda", generator=gen) * 2).to(torch.float8_e4m3fn)
+        wide = torch.randn(batch * pages, 2, PS, args.kv_heads, D, device="cuda", generator=gen) * 2
+        wide = wide.to(torch.float8_e4m3fn)
         cache = {"fp8": wide, "bf16": wide.to(torch.bfloat16)}
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
-        indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
+        # seeded, so that "same bits as the first tiles" compares runs on the same inputs
+        indices = torch.randperm(batch * pages, dtype=torch.int64, generator=torch.Generator().manual_seed(1))
+        indices = indices.to(torch.int32)
         last = torch.full((batch,), PS, dtype=torch.int32)
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         ms, outs = {}, {}
         for name, c in cache.items():
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                              use_tensor_cores=args.tc, backend=args.backend)
-            w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, kv_data_type=c.dtype)
+            w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=torch.bfloat16, kv_data_type=c.dtype)
             out = torch.empty_like(q)
             outs[name] = out
             ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
                                                rep=100, return_mode="median")
         block_n = os.environ.get("SERVEATTN_DECODE_TILES", "16,0").split(",")[1]
-        same = [torch.equal(args.seen.setdefault((case, name, block_n), outs[name]), outs[name]) for name in outs]
-        kv_bytes = 2 * batch * kv * HKV * D
-        print(f"{case} tc={args.tc} {knobs}: bf16 {ms['bf16']:.4f} ms ({2 * kv_bytes / ms['bf16'] / 1e9:.2f} TB/s), "
+        same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n), out), out)
+                for name, out in outs.items()]
+        kv_bytes = 2 * batch * kv * args.kv_heads * D
+        print(f"{case} g{HQ // args.kv_heads} tc={args.tc} {knobs}: bf16 {ms['bf16']:.4f} ms "
+              f"({2 * kv_bytes / ms['bf16'] / 1e9:.2f} TB/s), "
               f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/bf16 speed "
               f"{ms['bf16'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['bf16'])}, "
               f"same bits as the first tiles with this block_n {all(same)}", flush=True)
