@@ -111,6 +111,9 @@ step_probe_decode_tiles() {  # the bandwidth decode kernel (backend triton) unde
       timeout 150 python3 scripts/probe_fp8.py --backend triton --kv-heads $kv_heads \
         --cases 64x8192,128x4096,8x4096,1x8192 --tiles "$tiles"
     done
+    # the tensor-core route (prefill kernel, 16-row tiles for group 4), where an fp8 cache is 0.6-0.7x bf16
+    timeout 150 python3 scripts/probe_fp8.py --backend triton --tc --cases 64x8192,8x4096,1x8192 \
+      --tiles "16,128,4,2;16,128,4,4;16,64,4,4;16,64,2,6"
   } 2>&1 | tee "$OUT/probe-decode-tiles.txt"
   return "${PIPESTATUS[0]}"
 }

@@ -7,8 +7,9 @@ SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
     PYTHONPATH=$PWD python3 scripts/probe_fp8.py [--cases 64x8192,128x4096] [--tc] [--tiles "16,128,4,3;16,128,4,5"]
         [--backend triton] [--kv-heads 4]
 
---tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES for both plans) and
-says whether the fp8 output equals, bitwise, the bf16 run on the dequantized cache under the same tiles.
+--tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES, with --tc
+SERVEATTN_PREFILL_TILES, for both plans) and says whether the fp8 output equals, bitwise, the bf16 run on the
+dequantized cache under the same tiles.
 """
 import argparse
 import os
@@ -30,9 +31,12 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=HKV, help="KV heads for the 32 query heads (group = 32 / this)")
     args = ap.parse_args()
     args.seen = {}  # (case, dtype, block_n) -> first output: do warps and stages change the bits?
+    # the tensor-core route runs the prefill kernel: its override (block_m first: the override skips the
+    # table's clamp of block_m to the request's rows)
+    args.tiles_env = "SERVEATTN_PREFILL_TILES" if args.tc else "SERVEATTN_DECODE_TILES"
     for tiles in args.tiles.split(";") if args.tiles else [None]:
         if tiles:
-            os.environ["SERVEATTN_DECODE_TILES"] = tiles
+            os.environ[args.tiles_env] = tiles
         try:
             probe(args)
         except Exception as e:  # a tile that does not fit shared memory: say so, go on
@@ -63,7 +67,7 @@ def probe(args):
             outs[name] = out
             ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
                                                rep=100, return_mode="median")
-        block_n = os.environ.get("SERVEATTN_DECODE_TILES", "16,0").split(",")[1]
+        block_n = os.environ.get(args.tiles_env, "16,0").split(",")[1]
         same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
