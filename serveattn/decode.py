@@ -45,7 +45,8 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     An fp8 cache keeps the 16-bit cache's BLOCK_N and warps (they fix the softmax's summation order, so the
     fp8 run stays bitwise the run on the dequantized cache) and pipelines deeper: its K/V gather depends on a
     page-index load, so 3 stages leave one K/V buffer and half the bytes of a bf16 tile in flight. H200,
-    2026-12-02 (docs/runs/2026-12-02T1826-decode-tile-sweep*.txt): 5 stages 0.525 -> 0.481 ms at 64 x 8192."""
+    2026-12-02 (docs/runs/2026-12-02T1818-decode-tile-sweep.txt, T1822-decode-tile-sweep2.txt): 5 stages
+    0.525 -> 0.481 ms at 64 x 8192."""
     override = os.environ.get("SERVEATTN_DECODE_TILES")
     if override and device.type == "cuda":
         return TileConfig(*map(int, override.split(",")))

@@ -46,7 +46,7 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
     if head_dim == 256:
         block_m, block_n, warps, stages = 64, 64, 4, 2
     elif fp8 and paged:
-        # fp8 q and KV (both products on fp8 wgmma), H200 sweep of 2026-12-02 (docs/runs/2026-12-02T1845-fp8-
+        # fp8 q and KV (both products on fp8 wgmma), H200 sweep of 2026-12-02 (docs/runs/2026-12-02T1840-fp8-
         # prefill-tile-sweep.txt): 64 x 128 tiles on one warpgroup, 5 deep (its tiles take half the shared memory
         # of bf16's), 520 / 586 / 617 TFLOP/s at 4096 / 8192 / 16384 tokens against 396 / 439 / 468 for the bf16
         # tiles; 7 stages no longer fit twice per SM (433 at 8192). Contiguous K/V was not swept: bf16's tiles.
