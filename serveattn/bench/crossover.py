@@ -31,7 +31,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import common
 
@@ -269,47 +269,40 @@ def _ok(p: dict) -> bool:
     return p.get("status") == "ok" and p.get("ratio") is not None
 
 
-def derive_cudnn(points: List[dict]) -> Dict[tuple, Optional[int]]:
-    """(dtype, head_dim, group, causal) -> the smallest measured sequence length from which cuDNN was faster
-    (ratio < 1) at every measured point of at least that length; None where it never was. Keys of configs where
-    any point was not measured (declined, failed) are left out: those stay unmeasured."""
+def _thresholds(points: List[dict], pair: str, key_fields: Tuple[str, ...], x_field: str,
+                wins: Callable[[dict], bool]) -> Dict[tuple, Optional[float]]:
+    """Per config (the points' key_fields): the smallest measured x_field from which `wins` held at every
+    measured point at or above it; None where it never did. Configs with a point that was not measured
+    (declined, failed) are left out: those stay unmeasured."""
     configs: Dict[tuple, List[dict]] = {}
     for p in points:
-        if p["pair"] == "prefill-cudnn":
-            configs.setdefault((p["dtype"], p["head_dim"], p["group"], p["causal"]), []).append(p)
+        if p["pair"] == pair:
+            configs.setdefault(tuple(p[f] for f in key_fields), []).append(p)
     out = {}
     for key, pts in configs.items():
         if not all(_ok(p) for p in pts):
             continue
         threshold = None
-        for s in sorted({p["qo_len"] for p in pts}, reverse=True):
-            if all(p["ratio"] < 1 for p in pts if p["qo_len"] >= s):
-                threshold = s
-            else:
+        for x in sorted({p[x_field] for p in pts}, reverse=True):
+            if not all(wins(p) for p in pts if p[x_field] >= x):
                 break
+            threshold = x
         out[key] = threshold
     return out
+
+
+def derive_cudnn(points: List[dict]) -> Dict[tuple, Optional[int]]:
+    """(dtype, head_dim, group, causal) -> the smallest measured sequence length from which cuDNN was faster
+    (ratio < 1) at every measured point of at least that length."""
+    return _thresholds(points, "prefill-cudnn", ("dtype", "head_dim", "group", "causal"), "qo_len",
+                       lambda p: p["ratio"] < 1)
 
 
 def derive_decode(points: List[dict]) -> Dict[tuple, Optional[float]]:
     """(kv dtype, head_dim, group) -> the smallest measured KV-head programs per SM from which the tensor-core route
-    was not slower (bandwidth / tensor-core ratio >= 1) at every measured point at or above it; None where never."""
-    configs: Dict[tuple, List[dict]] = {}
-    for p in points:
-        if p["pair"] == "decode-tc":
-            configs.setdefault((p["dtype"], p["head_dim"], p["group"]), []).append(p)
-    out = {}
-    for key, pts in configs.items():
-        if not all(_ok(p) for p in pts):
-            continue
-        threshold = None
-        for x in sorted({p["programs_per_sm"] for p in pts}, reverse=True):
-            if all(p["ratio"] >= 1 for p in pts if p["programs_per_sm"] >= x):
-                threshold = x
-            else:
-                break
-        out[key] = threshold
-    return out
+    was not slower (bandwidth / tensor-core ratio >= 1) at every measured point at or above it."""
+    return _thresholds(points, "decode-tc", ("dtype", "head_dim", "group"), "programs_per_sm",
+                       lambda p: p["ratio"] >= 1)
 
 
 def table_literal(arch, measured: str, cudnn: dict, decode: dict) -> str:
