@@ -10,6 +10,7 @@
 #   scripts/gpu_run.sh probe-fp8             # fp8 timings with each measuring switch on and off (~4 min)
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
+#   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -37,8 +38,8 @@ STEPS=("$@")
 for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile probe-decode-tiles" >&2; exit 2 ;;
+    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile probe-decode-tiles probe-decode-split" >&2; exit 2 ;;
   esac
 done
 
@@ -118,6 +119,19 @@ step_probe_decode_tiles() {  # the bandwidth decode kernel (backend triton) unde
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_decode_split() {  # split-KV at small batch: programs per SM x shortest chunk (bandwidth kernel)
+  {
+    for pps in 2 4; do
+      for min_chunk in 128 256; do
+        echo "== SERVEATTN_DECODE_PROGRAMS_PER_SM=$pps SERVEATTN_DECODE_MIN_CHUNK=$min_chunk"
+        SERVEATTN_DECODE_PROGRAMS_PER_SM=$pps SERVEATTN_DECODE_MIN_CHUNK=$min_chunk timeout 120 \
+          python3 -m serveattn.bench decode --cases 1x8192,8x4096,32x2048 --peers cudnn --ours cc,cc-graph --passes 1
+      done
+    done
+  } 2>&1 | grep -E "^==|^\| " | tee "$OUT/probe-decode-split.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -145,6 +159,7 @@ for s in "${STEPS[@]}"; do
     probe-fp8) step_probe_fp8 ;;
     probe-compile) step_probe_compile ;;
     probe-decode-tiles) step_probe_decode_tiles ;;
+    probe-decode-split) step_probe_decode_split ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

@@ -27,6 +27,12 @@ from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
 PROGRAMS_PER_SM = 2
+
+
+def _programs_per_sm() -> int:
+    """Split-KV aims at this many KV-head programs per SM; SERVEATTN_DECODE_PROGRAMS_PER_SM overrides it (for
+    tuning runs only, like SERVEATTN_DECODE_MIN_CHUNK)."""
+    return int(os.environ.get("SERVEATTN_DECODE_PROGRAMS_PER_SM", PROGRAMS_PER_SM))
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in parallelism
 
 
@@ -103,7 +109,7 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
         chunk = -(-fixed_split_size // block_n) * block_n
     else:
         programs = kv_lens.numel() * num_kv_heads
-        target = PROGRAMS_PER_SM * num_sms
+        target = _programs_per_sm() * num_sms
         if programs >= target:
             return None
         splits = -(-target // programs)
@@ -436,7 +442,7 @@ def _to_device(plan: DecodePlan, device) -> DecodePlan:
 def _grid(plan: DecodePlan, use_cuda_graph: bool):
     """(decode programs, merge rows): fixed under CUDA graphs, exact otherwise."""
     if use_cuda_graph:
-        return PROGRAMS_PER_SM * _num_sms(plan.device), plan.req_num_slots.numel()
+        return _programs_per_sm() * _num_sms(plan.device), plan.req_num_slots.numel()
     return plan.num_work_host, (plan.batch if plan.num_slots else 0)
 
 
