@@ -57,10 +57,15 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     if override and device.type == "cuda":
         return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":
-        return TileConfig(16, 32, 4, 1)
+        return _INTERPRETER_TILES
     if head_dim == 256:
-        return TileConfig(16, 64, 4, 3)
-    return TileConfig(16, 128, 4, 5 if kv_dtype.itemsize == 1 else 3)
+        return _TILES_256
+    return _TILES_FP8 if kv_dtype.itemsize == 1 else _TILES_16BIT
+
+
+# the table's entries, built once (a frozen dataclass costs a microsecond per construction, in every plan)
+_INTERPRETER_TILES, _TILES_256 = TileConfig(16, 32, 4, 1), TileConfig(16, 64, 4, 3)
+_TILES_16BIT, _TILES_FP8 = TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 5)
 
 
 @dataclass
@@ -127,8 +132,8 @@ def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
         work[:, 0] = np.arange(batch)
         work[:, 2] = kv
         work[:, 3] = -1
-        none = torch.zeros(batch, dtype=torch.int32)
-        return torch.from_numpy(work.reshape(-1)), batch, none, none.clone(), 0
+        return (torch.from_numpy(work.reshape(-1)), batch, torch.from_numpy(np.zeros(batch, dtype=np.int32)),
+                torch.from_numpy(np.zeros(batch, dtype=np.int32)), 0)
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
     index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
@@ -420,7 +425,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.numel(), tiles=tiles, max_page=max_page,
-        num_work_host=n, num_slots=total_slots, chunk=chunk, work=work, num_work=torch.tensor([n], dtype=torch.int32),
+        num_work_host=n, num_slots=total_slots, chunk=chunk, work=work, num_work=torch.from_numpy(np.array([n], dtype=np.int32)),
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len)
 
