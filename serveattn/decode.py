@@ -289,7 +289,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             qo_indptr[1:] = torch.from_numpy(np.cumsum(sizes)).to(torch.int32)
             tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
         else:
-            qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * q_len_per_req
+            qo_indptr = torch.from_numpy(np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32))
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
         wrapper = self._prefill
         if wrapper is None or not self._use_cuda_graph:

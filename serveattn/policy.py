@@ -228,10 +228,11 @@ def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_
 
 
 def check_causal_lengths(entry: str, qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
-    bad = kv_lens < qo_lens
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        refuse(entry, f"causal=True with kv_len={int(kv_lens[i])} < qo_len={int(qo_lens[i])} for request {i}; "
+    qo, kv = np.asarray(qo_lens), np.asarray(kv_lens)  # host tensors: numpy views, no copy
+    bad = kv < qo
+    if bad.any():
+        i = int(bad.nonzero()[0][0])
+        refuse(entry, f"causal=True with kv_len={int(kv[i])} < qo_len={int(qo[i])} for request {i}; "
                       f"bottom-right causal attention needs kv_len >= qo_len.")
 
 

@@ -170,30 +170,34 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if custom_mask is not None and packed_custom_mask is not None:
         policy.refuse(entry, "custom_mask and packed_custom_mask were both given; pass one of them.")
 
+    # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one); the plan
+    # keeps torch views of the same int64 arrays.
     policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
-    qo_host = qo_indptr.to("cpu", torch.int64)
-    policy.check_indptr(entry, "qo_indptr", qo_host)
-    batch = qo_host.numel() - 1
+    qo_np = policy.host_array(qo_indptr)
+    policy.check_indptr(entry, "qo_indptr", qo_np)
+    batch = qo_np.size - 1
     if paged:
         kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
-        kv_host = kv_indptr.to("cpu", torch.int64)
+        kv_np = policy.host_array(kv_indptr)
         idx_host = kv_indices.to("cpu")  # int32 as given: indexing and min/max need no int64 copy
-        used = idx_host[: int(kv_host[-1])]
-        if used.numel() and int(used.min()) < 0:
+        used = idx_host.numpy()[: int(kv_np[-1])]
+        if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
-        max_page = int(used.max()) if used.numel() else -1
+        max_page = int(used.max()) if used.size else -1
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
-        kv_host = kv_indptr.to("cpu", torch.int64)
-        policy.check_indptr(entry, "kv_indptr", kv_host)
-        kv_lens = kv_host[1:] - kv_host[:-1]
+        kv_np = policy.host_array(kv_indptr)
+        policy.check_indptr(entry, "kv_indptr", kv_np)
+        kv_lens = torch.from_numpy(kv_np[1:] - kv_np[:-1])
         idx_host = None
         page_size = 1
         max_page = -1
-    if kv_host.numel() - 1 != batch:
+    if kv_np.size - 1 != batch:
         policy.refuse(entry, f"qo_indptr describes {batch} requests but the KV indptr describes "
-                             f"{kv_host.numel() - 1}.")
-    qo_lens = qo_host[1:] - qo_host[:-1]
+                             f"{kv_np.size - 1}.")
+    qo_host, kv_host = torch.from_numpy(qo_np), torch.from_numpy(kv_np)
+    qo_lens_np = qo_np[1:] - qo_np[:-1]
+    qo_lens = torch.from_numpy(qo_lens_np)
     mask_host = None
     if custom_mask is not None or packed_custom_mask is not None:
         mask_host = _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens)
@@ -210,10 +214,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     chosen = decision.backend
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
-    max_qo = graph_max_qo if graph_tiles else int(qo_lens.max()) if batch else 1
-    if graph_tiles and graph_max_qo is not None and batch and int(qo_lens.max()) > graph_max_qo:
+    max_qo_len = int(qo_lens_np.max()) if batch else 0
+    max_qo = graph_max_qo if graph_tiles else max_qo_len if batch else 1
+    if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
-                             f"per request; the plan has {int(qo_lens.max())}.")
+                             f"per request; the plan has {max_qo_len}.")
     tiles = choose_tiles(head_dim, group, max_qo, device, paged, fp8=q_dtype.itemsize == 1)
     rope = pos_encoding_mode == "ROPE_LLAMA"
     plan = Plan(
@@ -224,14 +229,14 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
-        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_host[-1]),
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_np[-1]),
         tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
         kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host, tree_mask_host=tree_mask,
         decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         plan.work, plan.num_work_host = work, n
-        plan.num_work = torch.tensor([n], dtype=torch.int32)
+        plan.num_work = torch.from_numpy(np.array([n], dtype=np.int32))
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
         if mask_host is not None:
@@ -355,7 +360,10 @@ class _PrefillWrapper:
             if self._use_cuda_graph:
                 plan = self._install_graph_plan(plan)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
-                plan = replace(plan, **staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device))
+                # the plan is this call's own (make_plan built it): set the device arrays in place, no dataclass
+                # copy (a replace() of this 45-field plan costs more host time than the copy it stages)
+                for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device).items():
+                    setattr(plan, name, t)
         self._plan = plan
         self.backend = plan.backend
         self.backend_fallback_reason = plan.decision.reason if plan.decision is not None else None

@@ -34,6 +34,7 @@ import logging
 import os
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 
 from . import backend as backends
@@ -206,7 +207,8 @@ def prefill_request(device, *, paged, q_dtype, kv_dtype, o_dtype, head_dim, num_
                     custom_mask, tree, window_left, soft_cap, rope, use_cuda_graph, qo_lens, kv_lens) -> Request:
     """The request of a validated prefill plan (lengths as int tensors on the host)."""
     info = device_info(device)
-    batch = int(qo_lens.numel())
+    qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)  # host tensors: numpy views, cheaper reductions
+    batch = int(qo_lens.size)
     return Request(
         kind="prefill", device_type=info.type, arch=info.arch, num_sms=info.num_sms, q_dtype=q_dtype,
         kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
