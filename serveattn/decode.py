@@ -250,7 +250,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
-        used = indices.detach().to("cpu").numpy()[: int(indptr[-1])]  # min/max only: no int64 copy
+        host_indices = indices.numpy() if indices.is_cpu else indices.detach().cpu().numpy()
+        used = host_indices[: int(indptr[-1])]  # min/max only: no int64 copy
         if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,

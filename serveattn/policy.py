@@ -193,7 +193,7 @@ def check_indptr(entry: str, name: str, indptr_host, total: Optional[int] = None
 
 def host_array(t: torch.Tensor) -> np.ndarray:
     """An int64 numpy copy of an index tensor (one device-to-host copy for CUDA tensors)."""
-    return t.detach().to("cpu").numpy().astype(np.int64)
+    return (t.numpy() if t.is_cpu else t.detach().cpu().numpy()).astype(np.int64)
 
 
 def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,

@@ -179,7 +179,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if paged:
         kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
         kv_np = policy.host_array(kv_indptr)
-        idx_host = kv_indices.to("cpu")  # int32 as given: indexing and min/max need no int64 copy
+        idx_host = kv_indices if kv_indices.is_cpu else kv_indices.cpu()  # int32 as given: no int64 copy
         used = idx_host.numpy()[: int(kv_np[-1])]
         if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
