@@ -324,9 +324,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots, *key))
         partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
-        if not self._use_cuda_graph:  # one dataclass copy: the partials and the device arrays together
-            self._plan = replace(plan, **partials, **staging.to_device({n: getattr(plan, n) for n in names},
-                                                                        self.device))
+        if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
+            for name, t in (*partials.items(), *staging.to_device({n: getattr(plan, n) for n in names},
+                                                                  self.device).items()):
+                setattr(plan, name, t)
+            self._plan = plan
             return
         plan = replace(plan, **partials)
         bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
