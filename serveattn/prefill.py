@@ -360,8 +360,8 @@ class _PrefillWrapper:
             if self._use_cuda_graph:
                 plan = self._install_graph_plan(plan)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
-                # the plan is this call's own (make_plan built it): set the device arrays in place, no dataclass
-                # copy (a replace() of this 45-field plan costs more host time than the copy it stages)
+                # the plan is this call's own (make_plan built it): set the device arrays in place; a replace()
+                # of this 45-field dataclass cost about 10 us of host time per plan
                 for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device).items():
                     setattr(plan, name, t)
         self._plan = plan
