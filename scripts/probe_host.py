@@ -13,6 +13,7 @@ import time
 import torch
 
 import serveattn
+from serveattn import staging
 from serveattn.kernels import decode as decode_kernel
 
 
@@ -67,6 +68,18 @@ def main():
                 launch_us = per_call_us(lambda: decode_kernel.launch(q, k, v, out, None, p, "NHD", p.num_work_host,
                                                                     p.batch if p.num_slots else 0))
                 print(f"    bare decode_kernel.launch (+merge: {bool(p.num_slots)}): {launch_us:.1f} us")
+                if batch == 256:  # the staging step alone, and the CUDA calls it is made of
+                    arrays = {n: t.cpu() for n, t in (("work", p.work), ("num_work", p.num_work),
+                                                      ("req_first_slot", p.req_first_slot),
+                                                      ("req_num_slots", p.req_num_slots), ("kv_indptr", indptr),
+                                                      ("kv_indices", indices), ("last_page_len", last))}
+                    parts = {"staging.to_device (7 arrays)": lambda: staging.to_device(arrays, dev),
+                             "torch.empty on the GPU": lambda: torch.empty(4096, dtype=torch.uint8, device=dev),
+                             "torch.cuda.current_stream(device)": lambda: torch.cuda.current_stream(x0.device),
+                             "a CUDA event record": lambda: ev.record(),
+                             "a slice of a GPU tensor": lambda: x0[8:64]}
+                    x0, ev = torch.empty(4096, dtype=torch.uint8, device=dev), torch.cuda.Event()
+                    print("    " + "; ".join(f"{k} {per_call_us(f):.1f} us" for k, f in parts.items()))
                 if args.profile and batch == 256:
                     profile("decode plan, batch 256, bandwidth route",
                             lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
