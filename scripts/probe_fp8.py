@@ -18,6 +18,7 @@ import torch
 import triton.testing
 
 import serveattn
+import tile_sweep  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -34,13 +35,7 @@ def main():
     # the tensor-core route runs the prefill kernel: its override (block_m first: the override skips the
     # table's clamp of block_m to the request's rows)
     args.tiles_env = "SERVEATTN_PREFILL_TILES" if args.tc else "SERVEATTN_DECODE_TILES"
-    for tiles in args.tiles.split(";") if args.tiles else [None]:
-        if tiles:
-            os.environ[args.tiles_env] = tiles
-        try:
-            probe(args)
-        except Exception as e:  # a tile that does not fit shared memory: say so, go on
-            print(f"tiles {tiles}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    tile_sweep.sweep(args.tiles_env, args.tiles, lambda: probe(args))
 
 
 def probe(args):

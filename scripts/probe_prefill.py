@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 import serveattn
+import tile_sweep  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -24,13 +25,7 @@ def main():
     ap.add_argument("--kinds", default="bf16,kv8,fp8")
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_PREFILL_TILES values to sweep")
     args = ap.parse_args()
-    for tiles in args.tiles.split(";") if args.tiles else [None]:
-        if tiles:
-            os.environ["SERVEATTN_PREFILL_TILES"] = tiles
-        try:
-            probe(args)
-        except Exception as e:  # a tile that does not fit shared memory: say so, go on
-            print(f"tiles {tiles}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    tile_sweep.sweep("SERVEATTN_PREFILL_TILES", args.tiles, lambda: probe(args))
 
 
 def probe(args):
