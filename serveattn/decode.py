@@ -250,8 +250,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
-        host_indices = indices.numpy() if indices.is_cpu else indices.detach().cpu().numpy()
-        used = host_indices[: int(indptr[-1])]  # min/max only: no int64 copy
+        used = policy.host_view(indices)[: int(indptr[-1])]  # min/max only: no int64 copy
         if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -428,7 +427,8 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.numel(), tiles=tiles, max_page=max_page,
-        num_work_host=n, num_slots=total_slots, chunk=chunk, work=work, num_work=torch.from_numpy(np.array([n], dtype=np.int32)),
+        num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
+        num_work=torch.from_numpy(np.array([n], dtype=np.int32)),  # torch.tensor([n]) costs 4x the host time
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len)
 

@@ -191,9 +191,15 @@ def check_indptr(entry: str, name: str, indptr_host, total: Optional[int] = None
         refuse(entry, f"{name}[-1]={int(ip[-1])} exceeds the {total} entries it indexes.")
 
 
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """An index tensor as numpy in its own dtype: a view of a host tensor, one device-to-host copy of a CUDA one
+    (detach/to cost a microsecond each even on a host tensor, several times per plan)."""
+    return t.numpy() if t.is_cpu else t.detach().cpu().numpy()
+
+
 def host_array(t: torch.Tensor) -> np.ndarray:
     """An int64 numpy copy of an index tensor (one device-to-host copy for CUDA tensors)."""
-    return (t.numpy() if t.is_cpu else t.detach().cpu().numpy()).astype(np.int64)
+    return host_view(t).astype(np.int64)
 
 
 def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,

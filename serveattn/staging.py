@@ -52,12 +52,12 @@ _rings: Dict[torch.device, _PinnedRing] = {}
 
 
 def _layout(arrays: Dict[str, np.ndarray]):
-    """(layout, total bytes): each array at an 8-byte aligned offset; total rounded up to 8 as well, so the
-    blob can be viewed as any dtype of up to 8 bytes."""
+    """(layout: (name, byte offset, bytes, torch dtype, shape) per array, total bytes): each array at an 8-byte
+    aligned offset; total rounded up to 8 as well, so the blob can be viewed as any dtype of up to 8 bytes."""
     layout, offset = [], 0
     for name, a in arrays.items():
         offset += -offset % _ALIGN
-        layout.append((name, offset, a.nbytes, a.dtype, a.shape))
+        layout.append((name, offset, a.nbytes, _TORCH[a.dtype], a.shape))
         offset += a.nbytes
     return layout, offset + (-offset % _ALIGN)
 
@@ -77,7 +77,7 @@ def pack(arrays: Dict[str, torch.Tensor]):
     layout, total = _layout(host)
     blob = np.zeros(total, dtype=np.uint8)
     _fill(blob, host, layout)
-    return torch.from_numpy(blob), [(n, s, b, _TORCH[d], sh) for n, s, b, d, sh in layout]
+    return torch.from_numpy(blob), layout
 
 
 def unpack(blob: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
@@ -113,7 +113,6 @@ def to_device(arrays: Dict[str, Optional[torch.Tensor]], device: torch.device) -
         # numpy for the packing: a numpy slice assignment costs a fraction of a torch op's dispatch
         arrays_np = _host_arrays(host)
         layout, total = _layout(arrays_np)
-        layout = [(n, s, b, _TORCH[d], sh) for n, s, b, d, sh in layout]
         blob = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
         if total:
             ring = _rings.setdefault(device, _PinnedRing())
