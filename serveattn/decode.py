@@ -49,10 +49,10 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only).
 
     An fp8 cache keeps the 16-bit cache's BLOCK_N and warps (they fix the softmax's summation order, so the
-    fp8 run stays bitwise the run on the dequantized cache) and pipelines deeper: its K/V gather depends on a
-    page-index load, so 3 stages leave one K/V buffer and half the bytes of a bf16 tile in flight. H200,
-    2026-12-02 (docs/runs/2026-12-02T1818-decode-tile-sweep.txt, T1822-decode-tile-sweep2.txt): 5 stages
-    0.525 -> 0.481 ms at 64 x 8192."""
+    fp8 run stays bitwise the run on the dequantized cache; the pipeline depth does not touch the bits) and
+    pipelines deeper: an fp8 tile is half the bytes in flight per stage. H200, 2026-12-02, groups 1/4/8
+    (docs/runs/2026-12-02T2133-decode-tile-sweep.txt): 64-key blocks on 2 warps beat 128 on 4 for both
+    dtypes; bf16 best at 4 stages (0.508 -> 0.495 ms at 64 x 8192, group 4), fp8 at 6 (0.486 -> 0.449)."""
     override = os.environ.get("SERVEATTN_DECODE_TILES")
     if override and device.type == "cuda":
         return TileConfig(*map(int, override.split(",")))
@@ -65,7 +65,7 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
 
 # the table's entries, built once (a frozen dataclass costs a microsecond per construction, in every plan)
 _INTERPRETER_TILES, _TILES_256 = TileConfig(16, 32, 4, 1), TileConfig(16, 64, 4, 3)
-_TILES_16BIT, _TILES_FP8 = TileConfig(16, 128, 4, 3), TileConfig(16, 128, 4, 5)
+_TILES_16BIT, _TILES_FP8 = TileConfig(16, 64, 2, 4), TileConfig(16, 64, 2, 6)
 
 
 @dataclass
@@ -117,7 +117,9 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
         target = _programs_per_sm() * num_sms
         if programs >= target:
             return None
-        splits = -(-target // programs)
+        # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
+        # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
+        splits = 1 << (-(-target // programs) - 1).bit_length()
         chunk = max(int(os.environ.get("SERVEATTN_DECODE_MIN_CHUNK", MIN_CHUNK)), -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None

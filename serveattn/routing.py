@@ -101,12 +101,14 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
             ("bfloat16", 128, 8, True): 1024,
         },
         # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
-        # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties). Group 4 stays on the tensor-core
-        # route from 1.94 on; groups 1 and 8 had a point at or above every threshold where the bandwidth kernel was
-        # faster (by under 1%), so they keep the bandwidth kernel.
+        # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties); groups 1 and 8 had a point at or
+        # above every threshold where the bandwidth kernel was faster (by under 1%), so they keep the bandwidth
+        # kernel. Group 4, re-measured after the bandwidth kernel's 64-key tiles and graph grid (table
+        # sm90-decode-tc-g4, 2026-12-02T21:46): 1.01-1.03 at 1.94, 0.96-1.00 from 3.88 on, so no threshold holds
+        # at every point above it: the bandwidth kernel everywhere.
         decode_tc_min_programs_per_sm={
             ("bfloat16", 128, 1): None,
-            ("bfloat16", 128, 4): 1.939,
+            ("bfloat16", 128, 4): None,
             ("bfloat16", 128, 8): None,
         },
     ),

@@ -21,7 +21,13 @@ from helpers import check_lse, make_paged_batch, rel_err, tolerance
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BF16, F16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 I32 = torch.int32
-H200 = routing.table_for((9, 0))
+# The sm 9.0 table as routing's logic is tested against: with a tensor-core threshold for group 4 (1.939 KV-head
+# programs per SM, the first crossover run's value), so both decode routes and every reason are reachable even
+# while the measured table (now: the bandwidth kernel for every group) has none.
+H200 = dataclasses.replace(
+    routing.table_for((9, 0)),
+    decode_tc_min_programs_per_sm={**routing.table_for((9, 0)).decode_tc_min_programs_per_sm,
+                                   ("bfloat16", 128, 4): 1.939})
 MIN_ROWS = H200.cudnn_min_rows[("bfloat16", 128, 4, True)]  # the measured crossover, whatever it is
 
 
@@ -50,6 +56,7 @@ def dec(**kw):
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     monkeypatch.setattr(routing, "_warned", set())
+    monkeypatch.setitem(routing.TABLES, (9, 0), H200)
 
 
 @pytest.fixture

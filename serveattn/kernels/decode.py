@@ -25,7 +25,10 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
 ):
-    kvh = tl.program_id(1)
+    # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
+    # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
+    # every SM instead of sharing SMs with the ones that exit at once.
+    kvh = tl.program_id(0)
     num_work = tl.load(num_work_ptr)
     qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
                                                  K_SCALE_PTR, V_SCALE_PTR)
@@ -34,7 +37,7 @@ def decode_kernel(
     head = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
     tok = tl.zeros([GROUP_PAD], dtype=tl.int32)  # every row is the request's one query token
-    for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
+    for w in range(tl.program_id(1), num_work, tl.num_programs(1)):
         req = tl.load(work + 4 * w)
         lo = tl.load(work + 4 * w + 1)
         hi = tl.load(work + 4 * w + 2)
@@ -119,7 +122,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     group_pad = max(16, triton.next_power_of_2(plan.group))
     kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
-    decode_kernel[(grid0, plan.num_kv_heads)](
+    # the grid's second axis holds at most 65535 programs; they stride over any longer work list
+    decode_kernel[(plan.num_kv_heads, min(grid0, 65535))](
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
         plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len,
