@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import EARLY_V, LAUNCH_OPTIONS, mma, narrow, to_dtype, widen
+from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
@@ -133,6 +133,8 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf.
         t = s * (sm_scale / soft_cap)
         x = soft_cap * (1.0 - 2.0 / (tl.exp2(t * (2.0 * 1.4426950408889634)) + 1.0)) * 1.4426950408889634
+    elif SOFTMAX_FMA:
+        x = s  # scaled inside the fma below
     else:
         x = s * qk_scale
     if MASKED:
@@ -150,10 +152,17 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         if HAS_WINDOW:
             visible = visible & (n[None, :] >= (delta + tok - window_left)[:, None])
         x = tl.where(visible, x, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(x, 1))
+    FMA: tl.constexpr = SOFTMAX_FMA and not SOFT_CAP
+    if FMA:
+        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(x, 1))
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(x - m_safe[:, None])
+    if FMA:
+        p = tl.exp2(tl.fma(x, qk_scale, -m_safe[:, None]))
+    else:
+        p = tl.exp2(x - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:

@@ -18,6 +18,10 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") =
 # its own and the result is a function of the source alone: an fp8 run equals, bitwise, the run on the
 # dequantized cache (API.md), on the GPU as under the interpreter.
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+# SERVEATTN_FP_FUSION=1 lets ptxas contract again: for measuring what the contract costs only (scripts/probe_prefill.py);
+# with it an fp8 run may no longer be bitwise the run on the dequantized cache.
+if os.environ.get("SERVEATTN_FP_FUSION", "0") == "1":
+    LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
 # SERVEATTN_FP8_BOUNDARY=0 drops the operand boundary below: for measuring its cost only (scripts/probe_fp8.py);
 # without it an fp8 run is no longer bitwise the run on the dequantized cache.
 FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
@@ -25,6 +29,9 @@ FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY
 # SERVEATTN_FAST_WIDEN=2: _fp8_to_bf16 without its NaN/inf fix-up (measuring its cost only; not exact for those).
 _WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "1")
 FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
+# SERVEATTN_SOFTMAX_FMA=1: the logit scale and the row max folded into one fma before exp2, the row max taken on
+# the unscaled logits (assumes a positive scale; measuring only for now, next to SERVEATTN_FP_FUSION=1).
+SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA", "0") == "1")
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
