@@ -44,10 +44,11 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
     return _compile(prefill_kernel, constexprs, q, kv, out, warps, stages)
 
 
-def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size):
-    constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size, q_len=1):
+    constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(q_len * group)),
                       HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=True, HAS_WINDOW=False,
-                      SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False)
+                      SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
+                      QLEN=q_len)
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 
@@ -123,6 +124,7 @@ def main():
                                                   "prefill, 16,128,4,3 for decode; decode ignores block_m)")
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--q-len", type=int, default=1, help="decode: draft rows per request (chain verify)")
     ap.add_argument("--vt", action="store_true", help="fp8 attention reading V from its transposed copy")
     ap.add_argument("--dump", help="folder to write ttgir/ptx/llir/sass into")
     a = ap.parse_args()
@@ -131,7 +133,7 @@ def main():
         ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
                              a.vt)
     else:
-        ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size)
+        ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size, a.q_len)
     sass = summarise(ck)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -37,15 +37,17 @@ MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in
 
 
 def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int = 1) -> bool:
-    """Whether to ask for tensor cores: the bandwidth kernel already packs a KV group's query heads into one
-    tensor-core tile, so it serves one-row decode; several rows per request go to the prefill family. With
-    use_tensor_cores=False, backend="auto" still takes the tensor-core route where docs/routing.md measured it
-    no slower (serveattn/routing.py)."""
-    return q_len_per_req > 1
+    """Whether to ask for tensor cores: the bandwidth kernel already packs a KV group's query heads (times a
+    chain's draft rows) into one tensor-core tile, so it serves decode and chains of up to 32 such rows; more go
+    to the prefill family. With use_tensor_cores=False, backend="auto" still takes the tensor-core route where
+    docs/routing.md measured it no slower (serveattn/routing.py)."""
+    return q_len_per_req * max(1, num_qo_heads // max(1, num_kv_heads)) > routing.BANDWIDTH_MAX_ROWS
 
 
-def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> TileConfig:
-    """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the group is the tile's rows).
+def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,
+                 rows: int = 16) -> TileConfig:
+    """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the tile's rows are the group's query
+    heads times the chain's draft tokens, padded; `rows` is that padded count).
     SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only).
 
     An fp8 cache keeps the 16-bit cache's BLOCK_N and warps (they fix the softmax's summation order, so the
@@ -60,12 +62,15 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
         return _INTERPRETER_TILES
     if head_dim == 256:
         return _TILES_256
+    if rows > 16:  # a chain's 32 rows: 4 warps share the rows (not measured yet; 2 warps would hold 2x the state)
+        return _TILES_FP8_32 if kv_dtype.itemsize == 1 else _TILES_16BIT_32
     return _TILES_FP8 if kv_dtype.itemsize == 1 else _TILES_16BIT
 
 
 # the table's entries, built once (a frozen dataclass costs a microsecond per construction, in every plan)
 _INTERPRETER_TILES, _TILES_256 = TileConfig(16, 32, 4, 1), TileConfig(16, 64, 4, 3)
 _TILES_16BIT, _TILES_FP8 = TileConfig(16, 64, 2, 4), TileConfig(16, 64, 2, 6)
+_TILES_16BIT_32, _TILES_FP8_32 = TileConfig(32, 64, 4, 4), TileConfig(32, 64, 4, 6)
 
 
 @dataclass
@@ -98,10 +103,11 @@ class DecodePlan:
     last_page_len: Optional[torch.Tensor]
     part_o: Optional[torch.Tensor] = None
     part_lse: Optional[torch.Tensor] = None
+    q_len: int = 1  # query rows per request: 1, or a chain's k draft tokens
 
     def static_signature(self):
         return (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.window_left,
-                self.soft_cap, self.sm_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles)
+                self.soft_cap, self.sm_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.q_len)
 
 
 def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n: int,
@@ -208,7 +214,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         last k KV positions, bottom-right causal among themselves) or tree_parents (one parent array per
         request, -1 for a child of the prefix, at most 64 nodes; request i's rows are its tree's nodes in
         order, which are its last len(tree_parents[i]) KV positions; each sees the prefix, its ancestors and
-        itself). Both run on the tensor-core route."""
+        itself). Trees run on the tensor-core route; a chain runs on the bandwidth kernel (its split-KV included) when
+        k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False)."""
         entry = self._entry + ".plan"
         if unsupported_kwargs:
             policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
@@ -252,18 +259,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
+        if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
+            policy.check_causal_lengths(entry, np.full(kv_lens.numel(), q_len_per_req), kv_lens)
         used = policy.host_view(indices)[: int(indptr[-1])]  # min/max only: no int64 copy
         if used.size and int(used.min()) < 0:
             policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
-                                last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1)
+                                last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1,
+                                q_len=q_len_per_req)
         self._install(entry, plan)
         self._prefill = None
-        self._q_len_per_req = 1
+        self._q_len_per_req = q_len_per_req
         if self._use_cuda_graph:
-            self._graph_q_len = 1
+            self._graph_q_len = q_len_per_req
         self.backend = "triton"
         self._decided(decision)
 
@@ -322,7 +332,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         key = (plan.num_qo_heads, plan.head_dim)
         # the views cost host time: an unsplit plan (nothing to check against the workspace) reuses them
         if plan.num_slots or self._partials_memo is None or self._partials_memo[0] != key:
-            self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots, *key))
+            # a chain's slot holds q_len partial rows per query head
+            self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots * plan.q_len, *key))
         partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
         if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
@@ -414,13 +425,15 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
 
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
-                     disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1) -> DecodePlan:
+                     disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1,
+                     q_len=1) -> DecodePlan:
     """Host validation and the split-KV schedule; kv_indices None means contiguous (unpaged) K/V."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
     q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
-    tiles = decode_tiles(head_dim, device, kv_dtype)
+    group = num_qo_heads // num_kv_heads
+    tiles = decode_tiles(head_dim, device, kv_dtype, max(16, 1 << (q_len * group - 1).bit_length()))
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
     return DecodePlan(
@@ -432,7 +445,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
         num_work=torch.from_numpy(np.array([n], dtype=np.int32)),  # torch.tensor([n]) costs 4x the host time
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        last_page_len=last_page_len)
+        last_page_len=last_page_len, q_len=q_len)
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
@@ -483,7 +496,8 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
 
 
 def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
-    policy.check_tensor(entry, "q", q, (plan.batch, plan.num_qo_heads, plan.head_dim), plan.q_dtype, plan.device)
+    policy.check_tensor(entry, "q", q, (plan.batch * plan.q_len, plan.num_qo_heads, plan.head_dim), plan.q_dtype,
+                        plan.device)
     want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
         (plan.num_kv_heads, plan.page_size, plan.head_dim)
     for name, t in (("k", k), ("v", v)):

@@ -377,9 +377,14 @@ def cudnn_failed_at_run() -> str:
     return "cudnn: cuDNN raised at run(); this plan runs on our kernel from then on."
 
 
+# The bandwidth kernel's tile holds a request's draft rows x the KV group's query heads (one tile per KV head).
+BANDWIDTH_MAX_ROWS = 32
+
+
 @_producer
 def bandwidth_rows() -> str:
-    return "bandwidth: the bandwidth decode kernel serves one query row per request (q_len_per_req > 1)."
+    return (f"bandwidth: the bandwidth decode kernel serves at most {BANDWIDTH_MAX_ROWS} rows (q_len_per_req x "
+            f"query heads per KV head).")
 
 
 @_producer
@@ -440,11 +445,12 @@ def triton_declines(req: Request) -> Optional[str]:
 
 
 def bandwidth_declines(req: Request) -> Optional[str]:
-    """The bandwidth decode kernel (one row per request, no mask; rope and fp8 queries on tensor cores)."""
+    """The bandwidth decode kernel (one row per request, or a chain's k; no mask or tree; rope and fp8 queries
+    on tensor cores)."""
     why = triton_declines(req)
     if why is not None:
         return why
-    if req.q_len_per_req > 1:
+    if req.q_len_per_req * req.group > BANDWIDTH_MAX_ROWS:
         return bandwidth_rows()
     if req.tree:
         return bandwidth_tree()
@@ -614,9 +620,10 @@ def _forced_prefill(entry: str, route: str, req: Request, device) -> Decision:
 
 
 def choose_decode(entry: str, backend: str, req: Request, device, held: Optional[Decision] = None) -> Decision:
-    """The route of a decode plan. Explicit backends take ``use_tensor_cores`` literally (rows > 1 and trees run
-    on tensor cores, as documented; ROPE on the bandwidth kernel is refused). Under ``auto``,
-    ``use_tensor_cores=True`` is honoured and ``False`` lets the table choose between the two kernels."""
+    """The route of a decode plan. Explicit backends take ``use_tensor_cores`` literally (trees, and chains of
+    more rows than the bandwidth kernel's tile holds, run on tensor cores, as documented; ROPE on the bandwidth
+    kernel is refused). Under ``auto``, ``use_tensor_cores=True`` is honoured and ``False`` lets the table choose
+    between the two kernels."""
     policy.check_backend(entry, backend)
     if backend != "auto":
         chosen = _explicit(entry, backend, device)
@@ -625,7 +632,7 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
         if req.rope and not req.use_tensor_cores:
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
                                       "construct the wrapper with use_tensor_cores=True.")
-        if req.use_tensor_cores or req.q_len_per_req > 1 or req.tree:
+        if req.use_tensor_cores or req.q_len_per_req * req.group > BANDWIDTH_MAX_ROWS or req.tree:
             return Decision(TRITON, TENSOR_CORE)
         return Decision(TRITON, BANDWIDTH)
     if held is not None:

@@ -22,7 +22,7 @@ def test_cpu_dry_run_reports_every_case(tmp_path):
     by = {c["name"]: c for c in result["cases"]}
     assert by["k=2"]["why"] == "same depth as tree4" and by["k=4"]["why"] == "asked"
     assert list(by["k=1"]["runners"]) == ["cc", "cc-graph", "tc", "tc-graph", "fi-cc", "fi-tc", "flash"]
-    assert list(by["k=4"]["runners"]) == ["tc", "tc-graph", "fi-prefill", "flash"]
+    assert list(by["k=4"]["runners"]) == ["cc", "cc-graph", "tc", "tc-graph", "fi-prefill", "flash"]  # 4 x group fits
     assert list(by["tree4"]["runners"]) == ["tc", "tc-graph", "fi-prefill"]
     for c in result["cases"]:
         assert c["total_rows"] == 2 * c["rows_per_request"]

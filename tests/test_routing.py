@@ -125,7 +125,7 @@ TRIGGERS = {
                          (H200.prefill_table,)),
     "cudnn_below_crossover": (lambda mp, fg: _prefill_reason(_rows(MIN_ROWS - 1)), (MIN_ROWS, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
-    "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=4)), ()),
+    "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=17)), ()),  # 17 x group 4 > 32
     "bandwidth_tree": (lambda mp, fg: routing.bandwidth_declines(dec(tree=True)), ()),
     "bandwidth_rope": (lambda mp, fg: routing.bandwidth_declines(dec(rope=True)), ()),
     "bandwidth_fp8_query": (lambda mp, fg: routing.bandwidth_declines(dec(q_dtype=E4M3, kv_dtype=E4M3)), ()),
@@ -195,7 +195,10 @@ def test_decode_choices():
     assert choose(dec(batch=32)) == routing.Decision("triton", "tensor-core",
                                                      (routing.bandwidth_above_crossover(256 / 132, table),))
     assert choose(dec(batch=1, use_tensor_cores=True)) == routing.Decision("triton", "tensor-core")
-    for req, reason in ((dec(q_len_per_req=4), routing.bandwidth_rows()), (dec(tree=True), routing.bandwidth_tree()),
+    # a chain whose k x group rows fit the bandwidth kernel's tile is its request like any decode
+    assert choose(dec(batch=1, q_len_per_req=8)) == routing.Decision(
+        "triton", "bandwidth", (routing.tensor_core_below_crossover(256 / 132, table),))
+    for req, reason in ((dec(q_len_per_req=17), routing.bandwidth_rows()), (dec(tree=True), routing.bandwidth_tree()),
                         (dec(rope=True), routing.bandwidth_rope()),
                         (dec(q_dtype=E4M3, kv_dtype=E4M3), routing.bandwidth_fp8_query())):
         assert choose(req) == routing.Decision("triton", "tensor-core", (reason,))
@@ -213,7 +216,8 @@ def test_explicit_decode_backend_takes_use_tensor_cores_literally(device):
         d = routing.choose_decode("t", name, dec(batch=256), device)  # CPU: the interpreter runs the kernels
         assert d == routing.Decision("triton", "bandwidth")
         assert routing.choose_decode("t", name, dec(batch=1, use_tensor_cores=True), device).kernel == "tensor-core"
-        assert routing.choose_decode("t", name, dec(q_len_per_req=3), device).kernel == "tensor-core"
+        assert routing.choose_decode("t", name, dec(q_len_per_req=3), device).kernel == "bandwidth"  # 12 rows
+        assert routing.choose_decode("t", name, dec(q_len_per_req=17), device).kernel == "tensor-core"  # 68 rows > 32
         with pytest.raises(NotImplementedError, match="ROPE_LLAMA' is served on the tensor-core route only"):
             routing.choose_decode("t", name, dec(rope=True), device)
     assert routing.choose_decode("t", "torch", dec(batch=256), device) == routing.Decision("torch")
@@ -224,8 +228,8 @@ def test_explicit_decode_backend_takes_use_tensor_cores_literally(device):
 def test_forced_route_refuses_when_incapable(device):
     with routing.forced(prefill="cudnn"), pytest.raises(NotImplementedError, match="forced route 'cudnn'.*paged"):
         routing.choose_prefill("t", "auto", pf(paged=True), device)
-    with routing.forced(decode="bandwidth"), pytest.raises(NotImplementedError, match="one query row"):
-        routing.choose_decode("t", "auto", dec(q_len_per_req=2), device)
+    with routing.forced(decode="bandwidth"), pytest.raises(NotImplementedError, match="at most 32 rows"):
+        routing.choose_decode("t", "auto", dec(q_len_per_req=17), device)
     with routing.forced(decode="tensor-core"):
         assert routing.choose_decode("t", "auto", dec(batch=1), device).kernel == "tensor-core"
     assert routing._FORCED == {"prefill": None, "decode": None}

@@ -25,7 +25,10 @@ def test_chain_verify_matches_causal_prefill_and_reference(k, use_tensor_cores, 
     p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
            q_data_type=torch.bfloat16)
     p_out, p_lse = p.run(b.q, b.cache, return_lse=True)
-    assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
+    if use_tensor_cores:  # the prefill kernel on the same rows: the same bits
+        assert torch.equal(out, p_out) and torch.equal(lse, p_lse)
+    else:
+        assert w._prefill is None  # the bandwidth kernel served it
     ref, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                          causal=True)
     assert rel_err(out, ref) < 1e-2
@@ -69,3 +72,49 @@ def test_graph_replan_with_another_q_len_is_refused(device):
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    causal=True)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("group,k", [(1, 3), (4, 2), (4, 8), (8, 4)])
+@pytest.mark.parametrize("split", [None, 16])
+def test_chain_on_the_bandwidth_kernel(group, k, split, device):
+    """Chains of k x group <= 32 rows run on the bandwidth kernel (split-KV included): every element written,
+    against the float64 reference, a window and a soft cap honoured, and bitwise repeatable."""
+    gen = torch.Generator().manual_seed(70 + 10 * group + k)
+    num_kv_heads = 2
+    b = make_paged_batch(gen, qo_lens=[k] * 4, kv_lens=[k, 50, 19, 33], num_qo_heads=group * num_kv_heads,
+                         num_kv_heads=num_kv_heads, head_dim=64, page_size=8, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    for window, cap in ((-1, None), (9, 30.0)):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, group * num_kv_heads, num_kv_heads, 64, 8,
+               q_data_type=torch.bfloat16, q_len_per_req=k, fixed_split_size=split, window_left=window,
+               logits_soft_cap=cap)
+        assert w._prefill is None and (split is None or w._plan.num_slots > 0)
+        out = torch.full_like(b.q, float("nan"))
+        lse = torch.full(b.q.shape[:2], float("nan"), device=device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        ref, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True, window_left=window, logits_soft_cap=cap)
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert rel_err(out, ref) < 1e-2
+        check_lse(lse, ref_lse)
+        again, again_lse = w.run(b.q, b.cache, return_lse=True)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_chain_on_the_bandwidth_kernel_is_its_dequantized_run(enc, device):
+    """API.md's fp8 contract on this route: an fp8 cache gives the bits of the same call on cache.to(q.dtype)."""
+    gen = torch.Generator().manual_seed(80)
+    b = make_paged_batch(gen, qo_lens=[4] * 3, kv_lens=[40, 4, 27], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=8, dtype=torch.bfloat16, device=device)
+    cache8 = (b.cache * 3).to(enc)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    outs = []
+    for cache in (cache8, cache8.to(torch.bfloat16)):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 8, q_data_type=torch.bfloat16,
+               kv_data_type=cache.dtype, q_len_per_req=4, fixed_split_size=16)
+        assert w._prefill is None
+        outs.append(w.run(b.q, cache, return_lse=True, k_scale=0.25, v_scale=1.5))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -37,7 +37,7 @@ def _reference(q, cache, table, sizes, trees, k_scale, v_scale):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("mode", ["chain4", "tree16"])
+@pytest.mark.parametrize("mode", ["chain4", "chain4-bandwidth", "tree16"])
 def test_verify_graph_replays_after_replans(mode, kv_dtype):
     gen = torch.Generator().manual_seed(5)
     batch, num_pages = 16, 12000
@@ -47,15 +47,15 @@ def test_verify_graph_replays_after_replans(mode, kv_dtype):
     i32 = dict(dtype=torch.int32, device="cuda")
     w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, torch.empty(batch + 1, **i32),
                                                               torch.empty(num_pages, **i32), torch.empty(batch, **i32),
-                                                              use_tensor_cores=True)
-    rows = 4 if mode == "chain4" else 16
+                                                              use_tensor_cores=mode != "chain4-bandwidth")
+    rows = 4 if mode.startswith("chain4") else 16
     q = torch.randn(batch * rows, HQ, D, generator=gen).to(torch.bfloat16).cuda()
     out = torch.empty_like(q)
     lse = torch.empty(batch * rows, HQ, dtype=torch.float32, device="cuda")
 
     def plan(kv_lens):
         table = _table(gen, kv_lens, num_pages)
-        trees = None if mode == "chain4" else [_random_tree(gen, rows) for _ in range(batch)]
+        trees = None if mode.startswith("chain4") else [_random_tree(gen, rows) for _ in range(batch)]
         kw = dict(q_len_per_req=rows) if trees is None else dict(tree_parents=trees)
         w.plan(*table, HQ, HKV, D, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, **kw)
         return table, trees
@@ -68,6 +68,7 @@ def test_verify_graph_replays_after_replans(mode, kv_dtype):
         w.run(q, cache, out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)
     for step, kv_max in enumerate([3000, 40, 9000]):
         table, trees = plan([int(x) for x in torch.randint(rows, kv_max + 1, (batch,), generator=gen)])
+        assert (w._prefill is None) == (mode == "chain4-bandwidth")
         q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -81,7 +82,7 @@ def test_verify_graph_replays_after_replans(mode, kv_dtype):
     assert torch.equal(again_out, out) and torch.equal(again_lse, lse)
 
 
-@pytest.mark.parametrize("mode", ["chain4", "chain16", "tree64"])
+@pytest.mark.parametrize("mode", ["chain4", "chain8", "chain16", "tree64"])
 def test_verify_serving_size(mode):
     """batch 16, KV 8192 (the benchmark's shape), against the reference; a 64-node tree per request."""
     gen = torch.Generator().manual_seed(9)

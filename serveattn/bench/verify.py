@@ -9,8 +9,9 @@ Ours, all on serveattn's ``BatchDecodeWithPagedKVCacheWrapper``:
 - k = 1 (plain decode): the wrapper in its default form (``use_tensor_cores=False``, the bandwidth kernel, what a
   serving engine runs for decode) and with ``use_tensor_cores=True``; the best of the two is the baseline of the
   ratios, per form (eager / graph), and the tables say which it was.
-- chain verify, k in 1, 2, 4, 8, 16: ``plan(..., q_len_per_req=k)`` (k > 1 always runs on the tensor-core route, so
-  the wrapper is built with ``use_tensor_cores=True``), rows bottom-right causal among the last k KV positions.
+- chain verify, k in 1, 2, 4, 8, 16: ``plan(..., q_len_per_req=k)``, rows bottom-right causal among the last k KV
+  positions; with ``use_tensor_cores=True`` (the prefill kernel) always, and with ``False`` (the bandwidth
+  kernel, split-KV included) where k x 4 query heads per KV head fit its 32-row tile (k <= 8).
 - tree verify: ``plan(..., tree_parents=...)``, one random tree per request (fixed seed) of 16 nodes (depth 4) and
   64 nodes (depth 6), compared with a chain of the same depth (k = depth) and a chain of the same node count
   (k = nodes); those chains are added to the chain cases when not already there.
@@ -60,6 +61,8 @@ import time
 import types
 from typing import Callable, Dict, List, Optional
 
+from ..routing import BANDWIDTH_MAX_ROWS
+
 from . import common
 from . import decode as decode_bench
 from .decode import Meta
@@ -93,7 +96,8 @@ FLOPS_FORMULA = ("flops = 4 * batch * rows * kv_len * Hq * D (q.k and p.v of eve
                  "masked draft-draft pairs, under rows^2 per request, are not subtracted)")
 
 FORMS = ("eager", "graph")
-#: (key, title) of our runners: cc = use_tensor_cores=False (k = 1 only), tc = use_tensor_cores=True.
+#: (key, title) of our runners: cc = use_tensor_cores=False (chains that fit the bandwidth kernel),
+#: tc = use_tensor_cores=True.
 OURS = (("cc", "serveattn CUDA-core (default decode), eager"), ("cc-graph", "serveattn CUDA-core, CUDA graph"),
         ("tc", "serveattn tensor-core, eager"), ("tc-graph", "serveattn tensor-core, CUDA graph"))
 PEERS = (("fi-cc", "FlashInfer decode CUDA-core (k=1)"), ("fi-tc", "FlashInfer decode tensor-core (k=1)"),
@@ -285,7 +289,8 @@ def plan_cases(chains, trees, batch: int, kv_len: int) -> List[Case]:
 
 def case_runners(case: Case, forms, peers) -> List[str]:
     ours = []
-    for base in (("cc", "tc") if case.kind == "chain" and case.rows == 1 else ("tc",)):
+    bandwidth = case.kind == "chain" and case.rows * (HQ // HKV) <= BANDWIDTH_MAX_ROWS
+    for base in (("cc", "tc") if bandwidth else ("tc",)):
         if "eager" in forms:
             ours.append(base)
         if "graph" in forms:
@@ -685,7 +690,7 @@ def baselines(result: dict) -> dict:
 
 
 def ours_time(case: Optional[dict], form: str, metric: str = "ms"):
-    """Our time of ``case`` in ``form``: the best of cc/tc at k = 1, tc otherwise."""
+    """Our time of ``case`` in ``form``: the best of cc/tc where both ran, tc otherwise."""
     return _best(case, _form_keys(form), metric)
 
 
@@ -774,8 +779,8 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"rep {cfg['rep_ms']} ms), mean over {cfg['passes']} interleaved pass(es), {cfg['input_sets']} input "
              f"set(s) rotated. 'b2b': mean ms per call over a loop of calls with no flush (bounded below by the "
              f"host's launch cost: eager vs graph there is the launch overhead).",
-             "- ours: cc = BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=False) (the bandwidth kernel, k=1 "
-             "only), tc = use_tensor_cores=True (k>1: q_len_per_req=k; trees: tree_parents); -graph = "
+             "- ours: cc = BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=False) (the bandwidth kernel, chains "
+             "of k <= 8), tc = use_tensor_cores=True (k>1: q_len_per_req=k; trees: tree_parents); -graph = "
              "the wrapper with use_cuda_graph=True (CUDAGraphBatchDecodeWithPagedKVCacheWrapper), planned before "
              "capture, one graph per input set, graph.replay() timed.",
              f"- trees: one per request (seed {cfg['tree_seed']} + 1000 * nodes + request), breadth-first, exact "

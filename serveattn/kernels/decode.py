@@ -1,8 +1,10 @@
-"""The decode family: one query row per request, read at memory bandwidth, with split-KV.
+"""The decode family: QLEN query rows per request (1 for decode, k for chain verify), read at memory
+bandwidth, with split-KV.
 
-A program owns one work item (request, KV chunk) for one KV head. Its GROUP_PAD rows are the query heads
-of that KV group (padded to the 16 rows tensor cores need), so each K/V tile gathered through the page
-table is read once for the whole group. A request whose KV is cut into several chunks writes fp32
+A program owns one work item (request, KV chunk) for one KV head. Its GROUP_PAD rows are the (draft token,
+query head) pairs of that KV group, token-major (padded to at least the 16 rows tensor cores need), so each
+K/V tile gathered through the page table is read once for the whole group and every draft token. Draft
+token t sits at KV position kv_len - QLEN + t and sees the keys up to it (bottom-right causal). A request whose KV is cut into several chunks writes fp32
 partial outputs and base-2 LSEs into the workspace; `merge_kernel` folds them in chunk order, so the
 result is the same bits on every run.
 """
@@ -23,7 +25,7 @@ def decode_kernel(
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
-    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -32,11 +34,11 @@ def decode_kernel(
     num_work = tl.load(num_work_ptr)
     qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
                                                  K_SCALE_PTR, V_SCALE_PTR)
-    g = tl.arange(0, GROUP_PAD)
-    row_ok = g < GROUP
-    head = kvh * GROUP + g
+    r = tl.arange(0, GROUP_PAD)
+    row_ok = r < QLEN * GROUP
+    tok = r // GROUP  # the row's draft token (0 for decode)
+    head = kvh * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    tok = tl.zeros([GROUP_PAD], dtype=tl.int32)  # every row is the request's one query token
     for w in range(tl.program_id(1), num_work, tl.num_programs(1)):
         req = tl.load(work + 4 * w)
         lo = tl.load(work + 4 * w + 1)
@@ -44,11 +46,12 @@ def decode_kernel(
         slot = tl.load(work + 4 * w + 3)  # -1: the request is not split, write the output directly
         kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
         hi = tl.minimum(hi, kv_len)
-        delta = kv_len - 1  # the query sits at the last position
+        delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
         if HAS_WINDOW:
             lo = tl.maximum(lo, (delta - window_left) // BLOCK_N * BLOCK_N)
 
-        q_row = req.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        q_tok = req.to(tl.int64) * QLEN + tok  # the row's index in q, out and lse
+        q_row = q_tok * stride_qb + head.to(tl.int64) * stride_qh
         q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -58,19 +61,19 @@ def decode_kernel(
                 acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, False, False, HAS_WINDOW, SOFT_CAP, False,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
                 KV_SAME_STRIDES, False, False)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
-        if slot >= 0:
-            p_row = (slot.to(tl.int64) * NUM_QO_HEADS + head) * HEAD_DIM
-            tl.store(PART_O + p_row[:, None] + d[None, :], out, mask=row_ok[:, None])
-            tl.store(PART_LSE + slot.to(tl.int64) * NUM_QO_HEADS + head, lse, mask=row_ok)
+        if slot >= 0:  # a slot holds QLEN partial rows per query head
+            s_row = (slot.to(tl.int64) * QLEN + tok) * NUM_QO_HEADS + head
+            tl.store(PART_O + s_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+            tl.store(PART_LSE + s_row, lse, mask=row_ok)
         else:
-            o_row = req.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+            o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
             tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
             if RETURN_LSE:
-                tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+                tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def merge_kernel(
     PART_O, PART_LSE, O, LSE, req_first_slot, req_num_slots,
     stride_ob, stride_oh, stride_lb, stride_lh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr,
 ):
     """Folds a split request's partial states in chunk order (fixed, so bitwise repeatable)."""
     req = tl.program_id(0)
@@ -86,15 +89,16 @@ def merge_kernel(
     n = tl.load(req_num_slots + req)
     if n > 0:
         first = tl.load(req_first_slot + req)
-        g = tl.arange(0, GROUP_PAD)
-        row_ok = g < GROUP
-        head = kvh * GROUP + g
+        r = tl.arange(0, GROUP_PAD)
+        row_ok = r < QLEN * GROUP
+        tok = r // GROUP
+        head = kvh * GROUP + r % GROUP
         d = tl.arange(0, HEAD_DIM)
         m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         total = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         for s in range(first, first + n):
-            s_row = (s * NUM_QO_HEADS + head).to(tl.int64)  # slots * heads stays far below 2^31
+            s_row = ((s * QLEN + tok) * NUM_QO_HEADS + head).to(tl.int64)  # far below 2^31
             s_lse = tl.load(PART_LSE + s_row, mask=row_ok, other=float("-inf"))
             m_new = tl.maximum(m, s_lse)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -106,10 +110,11 @@ def merge_kernel(
             total = total * scale_old + w
             m = m_new
         out, lse = _finish(acc, total, m, 1.0)
-        o_row = req.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+        q_tok = req.to(tl.int64) * QLEN + tok
+        o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
         tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
         if RETURN_LSE:
-            tl.store(LSE + req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+            tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None):
@@ -120,7 +125,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out
     slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    group_pad = max(16, triton.next_power_of_2(plan.group))
+    group_pad = max(16, triton.next_power_of_2(plan.q_len * plan.group))
     kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
     decode_kernel[(plan.num_kv_heads, min(grid0, 65535))](
@@ -131,7 +136,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
-        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, num_warps=plan.tiles.num_warps,
+        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
+        num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     if merge_rows:
@@ -139,5 +145,5 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
             plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
             out.stride(0), out.stride(1), slb, slh,
             NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
-            RETURN_LSE=lse is not None, num_warps=4, **LAUNCH_OPTIONS,
+            RETURN_LSE=lse is not None, QLEN=plan.q_len, num_warps=4, **LAUNCH_OPTIONS,
         )
