@@ -81,7 +81,8 @@ def test_chain_on_the_bandwidth_kernel(group, k, split, device):
     against the float64 reference, a window and a soft cap honoured, and bitwise repeatable."""
     gen = torch.Generator().manual_seed(70 + 10 * group + k)
     num_kv_heads = 2
-    b = make_paged_batch(gen, qo_lens=[k] * 4, kv_lens=[k, 50, 19, 33], num_qo_heads=group * num_kv_heads,
+    # 150 and 133 keys split into chunks of 16 rounded up to BLOCK_N (32 under the interpreter, 64 on the H200)
+    b = make_paged_batch(gen, qo_lens=[k] * 4, kv_lens=[k, 150, 19, 133], num_qo_heads=group * num_kv_heads,
                          num_kv_heads=num_kv_heads, head_dim=64, page_size=8, dtype=torch.bfloat16, device=device)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
     for window, cap in ((-1, None), (9, 30.0)):
@@ -106,7 +107,7 @@ def test_chain_on_the_bandwidth_kernel(group, k, split, device):
 def test_fp8_chain_on_the_bandwidth_kernel_is_its_dequantized_run(enc, device):
     """API.md's fp8 contract on this route: an fp8 cache gives the bits of the same call on cache.to(q.dtype)."""
     gen = torch.Generator().manual_seed(80)
-    b = make_paged_batch(gen, qo_lens=[4] * 3, kv_lens=[40, 4, 27], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+    b = make_paged_batch(gen, qo_lens=[4] * 3, kv_lens=[140, 4, 27], num_qo_heads=8, num_kv_heads=2, head_dim=64,
                          page_size=8, dtype=torch.bfloat16, device=device)
     cache8 = (b.cache * 3).to(enc)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
@@ -115,6 +116,6 @@ def test_fp8_chain_on_the_bandwidth_kernel_is_its_dequantized_run(enc, device):
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 8, q_data_type=torch.bfloat16,
                kv_data_type=cache.dtype, q_len_per_req=4, fixed_split_size=16)
-        assert w._prefill is None
+        assert w._prefill is None and w._plan.num_slots > 0
         outs.append(w.run(b.q, cache, return_lse=True, k_scale=0.25, v_scale=1.5))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
