@@ -153,8 +153,8 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             visible = visible & (n[None, :] >= (delta + tok - window_left)[:, None])
         x = tl.where(visible, x, float("-inf"))
     FMA: tl.constexpr = SOFTMAX_FMA and not SOFT_CAP
-    if FMA:
-        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
+    if FMA:  # qk_scale is a scalar or, for fp8 attention's per-head descales, a [rows, 1] column
+        m_new = tl.maximum(m_i, tl.max(tl.max(x, 1, keep_dims=True) * qk_scale, 1))
     else:
         m_new = tl.maximum(m_i, tl.max(x, 1))
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
