@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from serveattn.kernels.attention import prefill_kernel  # noqa: E402
-from serveattn.kernels.decode import decode_kernel  # noqa: E402
+from serveattn.kernels.decode import decode_kernel, tile_rows  # noqa: E402
 from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
 
 FLOATS = {"qk_scale", "sm_scale", "soft_cap", "log2_theta", "rcp_scale", "v_scale"}
@@ -45,7 +45,7 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
 
 
 def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size, q_len=1):
-    constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(q_len * group)),
+    constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=tile_rows(q_len, group),
                       HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=True, HAS_WINDOW=False,
                       SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
                       QLEN=q_len)

@@ -432,8 +432,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
     q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
-    group = num_qo_heads // num_kv_heads
-    tiles = decode_tiles(head_dim, device, kv_dtype, max(16, 1 << (q_len * group - 1).bit_length()))
+    tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads))
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
     return DecodePlan(

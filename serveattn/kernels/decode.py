@@ -4,15 +4,20 @@ bandwidth, with split-KV.
 A program owns one work item (request, KV chunk) for one KV head. Its GROUP_PAD rows are the (draft token,
 query head) pairs of that KV group, token-major (padded to at least the 16 rows tensor cores need), so each
 K/V tile gathered through the page table is read once for the whole group and every draft token. Draft
-token t sits at KV position kv_len - QLEN + t and sees the keys up to it (bottom-right causal). A request whose KV is cut into several chunks writes fp32
-partial outputs and base-2 LSEs into the workspace; `merge_kernel` folds them in chunk order, so the
-result is the same bits on every run.
+token t sits at KV position kv_len - QLEN + t and sees the keys up to it (bottom-right causal). A request
+whose KV is cut into several chunks writes fp32 partial outputs and base-2 LSEs into the workspace;
+`merge_kernel` folds them in chunk order, so the result is the same bits on every run.
 """
 import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
 from .common import LAUNCH_OPTIONS, to_dtype
+
+
+def tile_rows(q_len: int, group: int) -> int:
+    """The tile's rows: q_len draft tokens x the KV group's query heads, padded to a power of two >= 16."""
+    return max(16, triton.next_power_of_2(q_len * group))
 
 
 @triton.jit
@@ -125,7 +130,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out
     slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    group_pad = max(16, triton.next_power_of_2(plan.q_len * plan.group))
+    group_pad = tile_rows(plan.q_len, plan.group)
     kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
     decode_kernel[(plan.num_kv_heads, min(grid0, 65535))](
