@@ -119,3 +119,10 @@ def test_fp8_chain_on_the_bandwidth_kernel_is_its_dequantized_run(enc, device):
         assert w._prefill is None and w._plan.num_slots > 0
         outs.append(w.run(b.q, cache, return_lse=True, k_scale=0.25, v_scale=1.5))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_prefer_tensor_cores_follows_the_bandwidth_tile():
+    """The hint a serving engine asks: tensor cores only for chains past the bandwidth kernel's 32-row tile."""
+    prefer = serveattn.decode.prefer_tensor_cores
+    assert not prefer(32, 8, 1) and not prefer(32, 8, 8) and prefer(32, 8, 9)
+    assert not prefer(8, 8, 32) and prefer(8, 8, 33)  # group 1
