@@ -49,7 +49,7 @@ def main():
             for _ in range(1000):
                 plan()
             prof.disable()
-            pstats.Stats(prof).sort_stats("cumtime").print_stats(20)
+            pstats.Stats(prof).sort_stats(os.environ.get("PROBE_SORT", "cumtime")).print_stats(int(os.environ.get("PROBE_ROWS", "20")))
 
 
 if __name__ == "__main__":

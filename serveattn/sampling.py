@@ -223,9 +223,8 @@ def _chain_torch(draft_probs, draft_token_ids, target_probs, bits):
 
 
 def _chain_triton(draft_probs, draft_token_ids, target_probs, bits):
-    import triton
-
     from .kernels.sampling import chain_speculative_sampling_kernel
+    from .kernels.sizes import next_pow2
 
     B, n, V = draft_probs.shape
     device = draft_probs.device
@@ -234,7 +233,7 @@ def _chain_triton(draft_probs, draft_token_ids, target_probs, bits):
     emitted = torch.zeros(B, dtype=torch.int32, device=device)
     if B == 0:
         return out, accepted, emitted
-    block_v = min(4096, triton.next_power_of_2(V))
+    block_v = min(4096, next_pow2(V))
     chain_speculative_sampling_kernel[(B,)](
         draft_probs.contiguous(), draft_token_ids.contiguous(), target_probs.contiguous(), bits.contiguous(),
         out, accepted, emitted, n, V, BLOCK_V=block_v)

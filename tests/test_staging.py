@@ -53,3 +53,14 @@ def test_pinned_ring_never_overwrites_a_copy_in_flight():
     for arrays, out in zip(sent, got):
         for name, t in arrays.items():
             assert torch.equal(out[name].cpu(), t), name
+
+
+def test_launch_sizes_match_triton():
+    """kernels/sizes.py replaces Triton's ConstexprFunction helpers on the host path: the same values."""
+    import triton
+
+    from serveattn.kernels.sizes import cdiv, next_pow2
+    for n in range(0, 300):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)

@@ -13,11 +13,12 @@ import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
 from .common import LAUNCH_OPTIONS, to_dtype
+from .sizes import next_pow2
 
 
 def tile_rows(q_len: int, group: int) -> int:
     """The tile's rows: q_len draft tokens x the KV group's query heads, padded to a power of two >= 16."""
-    return max(16, triton.next_power_of_2(q_len * group))
+    return max(16, next_pow2(q_len * group))
 
 
 @triton.jit

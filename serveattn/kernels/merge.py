@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import LAUNCH_OPTIONS, to_dtype
+from .sizes import cdiv, next_pow2
 
 
 @triton.jit
@@ -102,8 +103,8 @@ def _merge_many_kernel(
 
 def _blocks(num_heads: int, head_dim: int):
     """Whole head dim per program, and enough heads for ~2K elements: wide loads, still many programs."""
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, min(triton.next_power_of_2(num_heads), 2048 // block_d))
+    block_d = next_pow2(head_dim)
+    block_h = max(1, min(next_pow2(num_heads), 2048 // block_d))
     return block_h, block_d
 
 
@@ -114,7 +115,7 @@ def merge_two(v_a, s_a, v_b, s_b, v_out, s_out, keep=None):
     if rows == 0:
         return
     block_h, block_d = _blocks(num_heads, head_dim)
-    grid = (rows, triton.cdiv(num_heads, block_h))
+    grid = (rows, cdiv(num_heads, block_h))
     _merge_two_kernel[grid](
         v_a, s_a, v_b, s_b, v_out, s_out, keep if keep is not None else s_out,
         num_heads, head_dim,
@@ -129,7 +130,7 @@ def merge_many(v, s, v_out, s_out):
     if rows == 0:
         return
     block_h, block_d = _blocks(num_heads, head_dim)
-    grid = (rows, triton.cdiv(num_heads, block_h))
+    grid = (rows, cdiv(num_heads, block_h))
     _merge_many_kernel[grid](
         v, s, v_out, s_out, num_states, num_heads, head_dim,
         *v.stride(), *s.stride(), *v_out.stride(), *s_out.stride(),

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import to_float32, to_fp8
+from .sizes import cdiv, next_pow2
 
 
 @triton.jit
@@ -82,10 +83,10 @@ def append(append_key, append_value, batch_indices, positions, k_cache, v_cache,
     quant = k_scale is not None
     scale_ptr = quant and hasattr(k_scale, "data_ptr")
     fp8_max = {"torch.float8_e4m3fn": 448.0, "torch.float8_e5m2": 57344.0}.get(str(k_cache.dtype), 0.0)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_pow2(head_dim)
     # About 2K elements per tile: wide enough to vectorise D, small enough for decode batches.
-    block_t = max(1, min(64, 2048 // block_d, triton.next_power_of_2(nnz)))
-    grid = (triton.cdiv(nnz, block_t), num_kv_heads)
+    block_t = max(1, min(64, 2048 // block_d, next_pow2(nnz)))
+    grid = (cdiv(nnz, block_t), num_kv_heads)
     _append_kernel[grid](
         append_key, append_value, k_cache, v_cache,
         batch_indices, positions, kv_indptr, kv_indices,
