@@ -84,29 +84,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr):
-    """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i): its scores, then the
-    fold (two steps, so a loop can issue one block's scores before folding the previous block).
+    """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
-    # An fp8 V tile feeds the second product transposed (fp8 wgmma reads B K-major only), so Triton cannot
-    # stream it into shared memory with async copies; issuing its load before the first product hides the
-    # global latency behind QK^T and the softmax.
-    EARLY: tl.constexpr = EARLY_V and V.dtype.element_ty.is_fp8() and q.dtype.is_fp8() and not V_T
-    s, v_off, v_raw = _scores(q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh, stride_kp, stride_ks, stride_kh,
-                              stride_vp, stride_vs, stride_vh, log2_theta, rcp_scale, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-                              PAGED, MASKED, ROPE, KV_SAME_STRIDES, EARLY)
-    return _fold(acc, l_i, m_i, s, v_off, v_raw, n0, V, kv_len, kvh, tok, row_ok, delta, qk_scale, sm_scale,
-                 soft_cap, window_left, mask_ptr, mask_bit0, tree_bits, VT, vt_base, vt_stride_h, vt_stride_d,
-                 q.dtype, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, HAS_MASK, HAS_WINDOW, SOFT_CAP, TREE, V_T, EARLY)
-
-
-@triton.jit
-def _scores(q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh, stride_kp, stride_ks, stride_kh,
-            stride_vp, stride_vs, stride_vh, log2_theta, rcp_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, ROPE: tl.constexpr,
-            KV_SAME_STRIDES: tl.constexpr, EARLY: tl.constexpr):
-    """(q K^T of the keys n0.., the V row offsets, the raw V tile when EARLY else a placeholder)."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
     k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED)
@@ -115,14 +96,16 @@ def _scores(q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh, stride_kp, stride
     else:
         v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
     dtype = q.dtype
+    # An fp8 V tile feeds the second product transposed (fp8 wgmma reads B K-major only), so Triton cannot
+    # stream it into shared memory with async copies; issuing its load before the first product hides the
+    # global latency behind QK^T and the softmax.
+    EARLY: tl.constexpr = EARLY_V and V.dtype.element_ty.is_fp8() and dtype.is_fp8() and not V_T
     dv = tl.arange(0, HEAD_DIM)
     if EARLY:
         if MASKED:
             v_raw = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
         else:
             v_raw = tl.load(V + v_off[:, None] + dv[None, :])
-    else:
-        v_raw = v_off  # unused
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         dh = tl.arange(0, HALF)
@@ -146,19 +129,6 @@ def _scores(q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh, stride_kp, stride
             k = tl.load(K + k_off[:, None] + d[None, :])
         k = widen(k, dtype)  # an fp8 cache dequantizes here, exactly; a 16-bit tile is untouched
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
-    return s, v_off, v_raw
-
-
-@triton.jit
-def _fold(acc, l_i, m_i, s, v_off, v_raw, n0, V, kv_len, kvh, tok, row_ok, delta, qk_scale, sm_scale, soft_cap,
-          window_left, mask_ptr, mask_bit0, tree_bits, VT, vt_base, vt_stride_h, vt_stride_d, dtype: tl.constexpr,
-          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-          HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, TREE: tl.constexpr,
-          V_T: tl.constexpr, EARLY: tl.constexpr):
-    """The scores s of the keys n0.. masked, softmaxed online and folded with their V rows into (acc, l_i, m_i)."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = n < kv_len
-    dv = tl.arange(0, HEAD_DIM)
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf.
         t = s * (sm_scale / soft_cap)
