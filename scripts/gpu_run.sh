@@ -11,6 +11,9 @@
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
 #   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
+#   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
+#   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
+#   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -39,7 +42,8 @@ for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick probe-fp8 probe-compile probe-decode-tiles probe-decode-split" >&2; exit 2 ;;
+    bench-verify|probe-chain-tiles|probe-fusion) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion" >&2; exit 2 ;;
   esac
 done
 
@@ -132,6 +136,28 @@ step_probe_decode_split() {  # split-KV at small batch: programs per SM x shorte
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_chain_tiles() {  # chains of 8 drafts x group 4 = 32 rows: the bandwidth kernel's 32-row tiles
+  # (the override moves k=1 to the same tiles, so compare the k=8 rows across configurations, not the ratios)
+  {
+    for t in 32,64,4,4 32,64,4,6 32,128,4,3 32,64,8,4 32,32,4,6; do
+      echo "== SERVEATTN_DECODE_TILES=$t"
+      SERVEATTN_DECODE_TILES=$t timeout 45 python3 -m serveattn.bench verify --chains 1,8 --trees none \
+        --forms graph --verify-peers none --passes 1
+    done
+  } 2>&1 | grep -E "^==|^\| k=(1|8) \| cc-graph" | tee "$OUT/probe-chain-tiles.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_fusion() {  # what the no-contraction contract costs: explicit fma, then ptxas fusion (bits differ)
+  {
+    for e in SERVEATTN_SOFTMAX_FMA=0 SERVEATTN_SOFTMAX_FMA=1 SERVEATTN_FP_FUSION=1; do
+      echo "== $e"
+      env $e timeout 60 python3 scripts/probe_prefill.py --cases 1x8192,1x16384 --kinds bf16,fp8
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fusion.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -160,6 +186,9 @@ for s in "${STEPS[@]}"; do
     probe-compile) step_probe_compile ;;
     probe-decode-tiles) step_probe_decode_tiles ;;
     probe-decode-split) step_probe_decode_split ;;
+    bench-verify) step_bench "" bench-verify verify ;;
+    probe-chain-tiles) step_probe_chain_tiles ;;
+    probe-fusion) step_probe_fusion ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
