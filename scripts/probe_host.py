@@ -1,4 +1,5 @@
-"""Host cost of one decode/prefill call on the GPU: plan(), run(), and the bare Triton launch inside run().
+"""Host cost of one decode/prefill call on the GPU: plan(), run(), the bare Triton launch inside run(), and the
+per-step re-plan of the CUDA-graph wrapper.
 
 Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py [--profile]
 
@@ -62,6 +63,13 @@ def main():
             plan_us = per_call_us(lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             run_us = per_call_us(lambda: w.run(q, cache, out=out))
             print(f"decode batch {batch} kv {kv} tensor_cores={tc}: plan {plan_us:.1f} us, run {run_us:.1f} us")
+            # what a serving engine pays every step under CUDA graphs: a re-plan into the captured buffers
+            i32 = dict(dtype=torch.int32, device=dev)
+            g = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+                ws, torch.empty(batch + 1, **i32), torch.empty(batch * pages, **i32), torch.empty(batch, **i32),
+                use_tensor_cores=tc)
+            replan_us = per_call_us(lambda: g.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
+            print(f"    CUDA-graph wrapper re-plan (captured buffers): {replan_us:.1f} us")
             if not tc and w._plan is not None:
                 p = w._plan
                 k, v = cache[:, 0], cache[:, 1]
