@@ -41,7 +41,7 @@ def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int
     chain's draft rows) into one tensor-core tile, so it serves decode and chains of up to 32 such rows; more go
     to the prefill family. With use_tensor_cores=False, backend="auto" still takes the tensor-core route where
     docs/routing.md measured it no slower (serveattn/routing.py)."""
-    return q_len_per_req * max(1, num_qo_heads // max(1, num_kv_heads)) > routing.BANDWIDTH_MAX_ROWS
+    return not routing.fits_bandwidth_tile(q_len_per_req, max(1, num_qo_heads // max(1, num_kv_heads)))
 
 
 def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,

@@ -381,6 +381,11 @@ def cudnn_failed_at_run() -> str:
 BANDWIDTH_MAX_ROWS = 32
 
 
+def fits_bandwidth_tile(q_len_per_req: int, group: int) -> bool:
+    """Whether a request's rows (draft tokens x query heads per KV head) fit the bandwidth kernel's tile."""
+    return q_len_per_req * group <= BANDWIDTH_MAX_ROWS
+
+
 @_producer
 def bandwidth_rows() -> str:
     return (f"bandwidth: the bandwidth decode kernel serves at most {BANDWIDTH_MAX_ROWS} rows (q_len_per_req x "
@@ -450,7 +455,7 @@ def bandwidth_declines(req: Request) -> Optional[str]:
     why = triton_declines(req)
     if why is not None:
         return why
-    if req.q_len_per_req * req.group > BANDWIDTH_MAX_ROWS:
+    if not fits_bandwidth_tile(req.q_len_per_req, req.group):
         return bandwidth_rows()
     if req.tree:
         return bandwidth_tree()
@@ -632,7 +637,7 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
         if req.rope and not req.use_tensor_cores:
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
                                       "construct the wrapper with use_tensor_cores=True.")
-        if req.use_tensor_cores or req.q_len_per_req * req.group > BANDWIDTH_MAX_ROWS or req.tree:
+        if req.use_tensor_cores or not fits_bandwidth_tile(req.q_len_per_req, req.group) or req.tree:
             return Decision(TRITON, TENSOR_CORE)
         return Decision(TRITON, BANDWIDTH)
     if held is not None:

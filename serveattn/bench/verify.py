@@ -61,7 +61,7 @@ import time
 import types
 from typing import Callable, Dict, List, Optional
 
-from ..routing import BANDWIDTH_MAX_ROWS
+from ..routing import fits_bandwidth_tile
 
 from . import common
 from . import decode as decode_bench
@@ -289,7 +289,7 @@ def plan_cases(chains, trees, batch: int, kv_len: int) -> List[Case]:
 
 def case_runners(case: Case, forms, peers) -> List[str]:
     ours = []
-    bandwidth = case.kind == "chain" and case.rows * (HQ // HKV) <= BANDWIDTH_MAX_ROWS
+    bandwidth = case.kind == "chain" and fits_bandwidth_tile(case.rows, HQ // HKV)
     for base in (("cc", "tc") if bandwidth else ("tc",)):
         if "eager" in forms:
             ours.append(base)
