@@ -82,39 +82,49 @@ def decode_kernel(
                 tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
+def merge_slots(rows: int, head_dim: int) -> int:
+    """Partial states merge_kernel folds per load: its loop's loads are not pipelined (Triton 3.6 pipelines the
+    loads that feed a dot), so each trip is one round trip to L2, and a block of slots per trip cuts the trips;
+    the block holds about 8K fp32 values (64 registers a thread at 4 warps)."""
+    return max(1, min(16, 8192 // (rows * head_dim)))
+
+
 @triton.jit
 def merge_kernel(
     PART_O, PART_LSE, O, LSE, req_first_slot, req_num_slots,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Folds a split request's partial states in chunk order (fixed, so bitwise repeatable)."""
+    """Folds a split request's partial states (fixed order and blocking, so bitwise repeatable): the row max of
+    the chunks' LSEs first, then their outputs weighted by exp2(lse - max), SLOTS chunks per load. ROWS: the
+    program's (draft token, query head) rows padded to a power of two (no tensor cores here: no 16-row floor)."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.load(req_num_slots + req)
     if n > 0:
         first = tl.load(req_first_slot + req)
-        r = tl.arange(0, GROUP_PAD)
+        r = tl.arange(0, ROWS)
         row_ok = r < QLEN * GROUP
         tok = r // GROUP
         head = kvh * GROUP + r % GROUP
         d = tl.arange(0, HEAD_DIM)
-        m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        for s in range(first, first + n):
-            s_row = ((s * QLEN + tok) * NUM_QO_HEADS + head).to(tl.int64)  # far below 2^31
-            s_lse = tl.load(PART_LSE + s_row, mask=row_ok, other=float("-inf"))
-            m_new = tl.maximum(m, s_lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            scale_old = tl.exp2(m - m_safe)
-            w = tl.exp2(s_lse - m_safe)  # an empty chunk (lse -inf) weighs 0
-            p_row = s_row * HEAD_DIM
-            part = tl.load(PART_O + p_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-            acc = acc * scale_old[:, None] + part * w[:, None]
-            total = total * scale_old + w
-            m = m_new
+        j = tl.arange(0, SLOTS)
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, n, SLOTS):
+            ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
+            s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
+            m = tl.maximum(m, tl.max(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf")), 0))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, n, SLOTS):
+            ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
+            s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
+            w = tl.exp2(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf")) - m_safe[None, :])  # empty: 0
+            part = tl.load(PART_O + s_row[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0)
+            acc = acc + tl.sum(part * w[:, :, None], 0)
+            total = total + tl.sum(w, 0)
         out, lse = _finish(acc, total, m, 1.0)
         q_tok = req.to(tl.int64) * QLEN + tok
         o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
@@ -147,9 +157,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     if merge_rows:
+        merge_rows_pad = next_pow2(plan.q_len * plan.group)
         merge_kernel[(merge_rows, plan.num_kv_heads)](
             plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
             out.stride(0), out.stride(1), slb, slh,
-            NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
-            RETURN_LSE=lse is not None, QLEN=plan.q_len, num_warps=4, **LAUNCH_OPTIONS,
+            NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
+            RETURN_LSE=lse is not None, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
+            num_warps=4, **LAUNCH_OPTIONS,
         )
