@@ -23,11 +23,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from serveattn.kernels.attention import prefill_kernel  # noqa: E402
-from serveattn.kernels.decode import decode_kernel, tile_rows  # noqa: E402
+from serveattn.kernels.decode import decode_kernel, merge_slots, tile_rows  # noqa: E402
+from serveattn.kernels.sizes import next_pow2  # noqa: E402
 from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
 
 FLOATS = {"qk_scale", "sm_scale", "soft_cap", "log2_theta", "rcp_scale", "v_scale"}
-INT_PTRS = {"work": "*i32", "num_work_ptr": "*i32", "qo_indptr": "*i32", "kv_indptr": "*i32",
+INT_PTRS = {"req_first_slot": "*i32", "req_num_slots": "*i32", "done_count": "*i32", "work": "*i32", "num_work_ptr": "*i32", "qo_indptr": "*i32", "kv_indptr": "*i32",
             "kv_indices": "*i32", "last_page_len": "*i32", "mask_ptr": "*u8", "mask_indptr": "*i32",
             "tree_mask": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_descale": "*fp32",
             "k_descale": "*fp32", "v_descale": "*fp32", "kv_tok_indptr": "*i32", "PART_O": "*fp32",
@@ -44,11 +45,12 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
     return _compile(prefill_kernel, constexprs, q, kv, out, warps, stages)
 
 
-def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size, q_len=1):
+def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_size, q_len=1, fused_merge=False):
     constexprs = dict(NUM_QO_HEADS=8 * group, GROUP=group, GROUP_PAD=tile_rows(q_len, group),
                       HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=True, HAS_WINDOW=False,
                       SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
-                      QLEN=q_len)
+                      QLEN=q_len, FUSED_MERGE=fused_merge, MERGE_ROWS=next_pow2(q_len * group),
+                      MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim, warps) if fused_merge else 1)
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 
@@ -125,6 +127,7 @@ def main():
     ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=1, help="decode: draft rows per request (chain verify)")
+    ap.add_argument("--fused-merge", action="store_true", help="decode: the split-KV merge inside the decode kernel")
     ap.add_argument("--vt", action="store_true", help="fp8 attention reading V from its transposed copy")
     ap.add_argument("--dump", help="folder to write ttgir/ptx/llir/sass into")
     a = ap.parse_args()
@@ -133,7 +136,7 @@ def main():
         ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
                              a.vt)
     else:
-        ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size, a.q_len)
+        ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size, a.q_len, a.fused_merge)
     sass = summarise(ck)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -27,6 +27,9 @@ from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
 PROGRAMS_PER_SM = 2
+# SERVEATTN_DECODE_FUSED_MERGE=1: the decode kernel's last program of a split (request, KV head) folds its chunks
+# (no merge launch); measuring only for now.
+FUSED_MERGE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "0") == "1"
 
 
 def _programs_per_sm() -> int:
@@ -187,6 +190,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           last_page_len=paged_kv_last_page_len_buffer)
         self._plan: Optional[DecodePlan] = None
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
+        self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[dict] = None
         self._graph_signature = None
@@ -336,6 +340,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots * plan.q_len, *key))
         partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
+        if FUSED_MERGE:  # allocated (zeroed) here, never inside run(): a captured graph must not re-zero it
+            cap = self._bufs["last_page_len"].numel() if self._use_cuda_graph else plan.batch
+            if self._done_count is None or self._done_count.numel() < cap * plan.num_kv_heads:
+                self._done_count = torch.zeros(max(cap, 1) * plan.num_kv_heads, dtype=torch.int32,
+                                               device=self.device)
         if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
             for name, t in (*partials.items(), *staging.to_device({n: getattr(plan, n) for n in names},
                                                                   self.device).items()):
@@ -405,7 +414,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)
         if grid0:
-            decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale)
+            decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale,
+                                 self._done_count)
         return (out, lse) if return_lse else out
 
     def forward(self, *args, **kwargs):
@@ -568,5 +578,6 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
     grid0, merge_rows = _grid(plan, False)
     policy.check_scales(entry, q.device, k_scale=k_scale, v_scale=v_scale)
-    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale)
+    done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE else None
+    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)
     return (out[0], lse[0]) if return_lse else out[0]

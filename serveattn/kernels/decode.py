@@ -26,12 +26,13 @@ def decode_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    work, num_work_ptr, kv_indptr, kv_indices, last_page_len,
+    work, num_work_ptr, kv_indptr, kv_indices, last_page_len, req_first_slot, req_num_slots, done_count,
     qk_scale, sm_scale, soft_cap, window_left, v_scale, k_scale_ptr, v_scale_ptr,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -75,6 +76,18 @@ def decode_kernel(
             s_row = (slot.to(tl.int64) * QLEN + tok) * NUM_QO_HEADS + head
             tl.store(PART_O + s_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
             tl.store(PART_LSE + s_row, lse, mask=row_ok)
+            if FUSED_MERGE:
+                # The program that writes a (request, KV head)'s last chunk folds them all, in chunk order (the
+                # same bits whichever program finishes last), and resets the count for the next launch. The
+                # barrier orders every thread's partial stores before the count's release (CUTLASS's semaphore).
+                tl.debug_barrier()
+                count = done_count + req * (NUM_QO_HEADS // GROUP) + kvh
+                n = tl.load(req_num_slots + req)
+                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
+                    tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+                    _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
+                                   stride_ob, stride_oh, stride_lb, stride_lh,
+                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
         else:
             o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
             tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
@@ -82,11 +95,50 @@ def decode_kernel(
                 tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
-def merge_slots(rows: int, head_dim: int) -> int:
-    """Partial states merge_kernel folds per load: its loop's loads are not pipelined (Triton 3.6 pipelines the
+def merge_slots(rows: int, head_dim: int, num_warps: int = 4) -> int:
+    """Partial states a merge folds per load: its loop's loads are not pipelined (Triton 3.6 pipelines the
     loads that feed a dot), so each trip is one round trip to L2, and a block of slots per trip cuts the trips;
-    the block holds about 8K fp32 values (64 registers a thread at 4 warps)."""
-    return max(1, min(16, 8192 // (rows * head_dim)))
+    the block holds about 64 fp32 values a thread (8K at 4 warps)."""
+    return max(1, min(16, 2048 * num_warps // (rows * head_dim)))
+
+
+@triton.jit
+def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
+                   NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
+    """Folds the n partial states from slot `first` of request req, KV head kvh (fixed order and blocking, so
+    bitwise repeatable): the row max of the chunks' LSEs first, then their outputs weighted by exp2(lse - max),
+    SLOTS chunks per load. ROWS: the (draft token, query head) rows padded to a power of two (no tensor cores
+    here: no 16-row floor). The loads bypass L1 (.cg): another program may have written these slots."""
+    r = tl.arange(0, ROWS)
+    row_ok = r < QLEN * GROUP
+    tok = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, SLOTS)
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n, SLOTS):
+        ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
+        s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
+        m = tl.maximum(m, tl.max(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg"), 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, n, SLOTS):
+        ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
+        s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
+        w = tl.exp2(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    - m_safe[None, :])  # an empty chunk weighs 0
+        part = tl.load(PART_O + s_row[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        acc = acc + tl.sum(part * w[:, :, None], 0)
+        total = total + tl.sum(w, 0)
+    out, lse = _finish(acc, total, m, 1.0)
+    q_tok = req.to(tl.int64) * QLEN + tok
+    o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
+    tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+    if RETURN_LSE:
+        tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
@@ -96,45 +148,20 @@ def merge_kernel(
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Folds a split request's partial states (fixed order and blocking, so bitwise repeatable): the row max of
-    the chunks' LSEs first, then their outputs weighted by exp2(lse - max), SLOTS chunks per load. ROWS: the
-    program's (draft token, query head) rows padded to a power of two (no tensor cores here: no 16-row floor)."""
+    """One program per (request, KV head): folds a split request's partial states (_merge_request)."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.load(req_num_slots + req)
     if n > 0:
-        first = tl.load(req_first_slot + req)
-        r = tl.arange(0, ROWS)
-        row_ok = r < QLEN * GROUP
-        tok = r // GROUP
-        head = kvh * GROUP + r % GROUP
-        d = tl.arange(0, HEAD_DIM)
-        j = tl.arange(0, SLOTS)
-        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, n, SLOTS):
-            ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
-            s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
-            m = tl.maximum(m, tl.max(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf")), 0))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        for s0 in range(0, n, SLOTS):
-            ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
-            s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
-            w = tl.exp2(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf")) - m_safe[None, :])  # empty: 0
-            part = tl.load(PART_O + s_row[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0)
-            acc = acc + tl.sum(part * w[:, :, None], 0)
-            total = total + tl.sum(w, 0)
-        out, lse = _finish(acc, total, m, 1.0)
-        q_tok = req.to(tl.int64) * QLEN + tok
-        o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
-        tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
-        if RETURN_LSE:
-            tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
+                       stride_ob, stride_oh, stride_lb, stride_lh,
+                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
 
 
-def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None):
-    """Decode launch (and the merge launch when the plan splits any request)."""
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
+           done_count=None):
+    """Decode launch, and the merge launch when the plan splits any request, unless done_count (int32 zeros, one
+    per request and KV head, left zero by every launch) lets the decode kernel fold each split request itself."""
     ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
     vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
     sk = kv_strides(k, kv_layout, plan.paged)
@@ -142,22 +169,25 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     lse_arg = lse if lse is not None else out
     slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     group_pad = tile_rows(plan.q_len, plan.group)
+    merge_rows_pad = next_pow2(plan.q_len * plan.group)
+    fused = done_count is not None and bool(merge_rows)
     kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
     decode_kernel[(plan.num_kv_heads, min(grid0, 65535))](
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
-        plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len,
-        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
+        plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot, plan.req_num_slots,
+        done_count if fused else plan.work, plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
         KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
+        MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim, plan.tiles.num_warps) if fused else 1,
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
-    if merge_rows:
-        merge_rows_pad = next_pow2(plan.q_len * plan.group)
+    if merge_rows and not fused:
         merge_kernel[(merge_rows, plan.num_kv_heads)](
             plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
             out.stride(0), out.stride(1), slb, slh,
