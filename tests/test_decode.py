@@ -102,6 +102,42 @@ def test_split_counts_agree(device):
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
+    """The split-KV fold done by each (request, KV head)'s last decode program gives the merge kernel's bits (one
+    request with many chunks, one with two, one empty (decode) or short, one unsplit); its completion counts are zero after every
+    run, so the next run (or graph replay) starts clean; the result matches the reference."""
+    from serveattn import decode as decode_mod
+
+    gen = torch.Generator().manual_seed(33 + q_len)
+    kv_lens = [700, 100, 0 if q_len == 1 else q_len, 20]  # a chain needs kv_len >= its draft tokens
+    b = make_paged_batch(gen, qo_lens=[q_len] * 4, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(8 << 20, dtype=torch.uint8, device=device)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode_mod, "FUSED_MERGE", fused)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               fixed_split_size=32, q_len_per_req=q_len)
+        chunk = w._plan.chunk  # 32 keys rounded up to the kernel's block
+        assert w._plan.num_slots == sum(-(-kv // chunk) for kv in kv_lens if kv > chunk) >= 4
+        out = nan_like(b.q.shape, torch.bfloat16, device)
+        lse = nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        again = w.run(b.q, b.cache, return_lse=True)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+        assert (w._done_count is not None) == fused
+        if fused:
+            assert int(w._done_count.abs().sum()) == 0
+        results[fused] = (out, lse)
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert rel_err(results[True][0], ref_out) < 1e-2
+    check_lse(results[True][1], ref_lse)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_decode_backends_and_scales(backend, device):
     gen = torch.Generator().manual_seed(4)

@@ -32,7 +32,7 @@ def decode_kernel(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, MERGE_LSE_SLOTS: tl.constexpr,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -87,7 +87,8 @@ def decode_kernel(
                     tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
                     _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
                                    stride_ob, stride_oh, stride_lb, stride_lh,
-                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
+                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS,
+                                   MERGE_LSE_SLOTS)
         else:
             o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
             tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
@@ -102,25 +103,32 @@ def merge_slots(rows: int, head_dim: int, num_warps: int = 4) -> int:
     return max(1, min(16, 2048 * num_warps // (rows * head_dim)))
 
 
+def lse_slots(rows: int, num_warps: int) -> int:
+    """Chunk LSEs a merge reads per load for their max: up to 8 values a thread (at most 128 chunks)."""
+    return max(1, min(128, 8 * 32 * num_warps // rows))
+
+
 @triton.jit
 def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
                    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
+                   RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr, LSE_SLOTS: tl.constexpr):
     """Folds the n partial states from slot `first` of request req, KV head kvh (fixed order and blocking, so
     bitwise repeatable): the row max of the chunks' LSEs first, then their outputs weighted by exp2(lse - max),
-    SLOTS chunks per load. ROWS: the (draft token, query head) rows padded to a power of two (no tensor cores
+    SLOTS chunks per load (LSE_SLOTS for the max). ROWS: the (draft token, query head) rows padded to a power of two (no tensor cores
     here: no 16-row floor). The loads bypass L1 (.cg): another program may have written these slots."""
     r = tl.arange(0, ROWS)
     row_ok = r < QLEN * GROUP
     tok = r // GROUP
     head = kvh * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    j = tl.arange(0, SLOTS)
+    # the max is exact in any order, so its block is as large as a few registers a thread allow
+    jl = tl.arange(0, LSE_SLOTS)
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n, SLOTS):
-        ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
-        s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
+    for s0 in range(0, n, LSE_SLOTS):
+        ok = ((s0 + jl) < n)[:, None] & row_ok[None, :]
+        s_row = (((first + s0 + jl)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
         m = tl.maximum(m, tl.max(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg"), 0))
+    j = tl.arange(0, SLOTS)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -146,7 +154,7 @@ def merge_kernel(
     PART_O, PART_LSE, O, LSE, req_first_slot, req_num_slots,
     stride_ob, stride_oh, stride_lb, stride_lh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
+    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr, LSE_SLOTS: tl.constexpr,
 ):
     """One program per (request, KV head): folds a split request's partial states (_merge_request)."""
     req = tl.program_id(0)
@@ -155,7 +163,7 @@ def merge_kernel(
     if n > 0:
         _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
                        stride_ob, stride_oh, stride_lb, stride_lh,
-                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
+                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS, LSE_SLOTS)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
@@ -184,6 +192,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
         MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim, plan.tiles.num_warps) if fused else 1,
+        MERGE_LSE_SLOTS=lse_slots(merge_rows_pad, plan.tiles.num_warps) if fused else 1,
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
@@ -193,5 +202,6 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
             out.stride(0), out.stride(1), slb, slh,
             NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
             RETURN_LSE=lse is not None, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
+            LSE_SLOTS=lse_slots(merge_rows_pad, 4),
             num_warps=4, **LAUNCH_OPTIONS,
         )
