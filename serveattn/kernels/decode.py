@@ -51,6 +51,9 @@ def decode_kernel(
         lo = tl.load(work + 4 * w + 1)
         hi = tl.load(work + 4 * w + 2)
         slot = tl.load(work + 4 * w + 3)  # -1: the request is not split, write the output directly
+        if FUSED_MERGE:  # read now, so their latency hides behind the KV loop
+            num_slots = tl.load(req_num_slots + req)
+            first_slot = tl.load(req_first_slot + req)
         kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
         hi = tl.minimum(hi, kv_len)
         delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
@@ -82,10 +85,9 @@ def decode_kernel(
                 # barrier orders every thread's partial stores before the count's release (CUTLASS's semaphore).
                 tl.debug_barrier()
                 count = done_count + req * (NUM_QO_HEADS // GROUP) + kvh
-                n = tl.load(req_num_slots + req)
-                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n - 1:
+                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_slots - 1:
                     tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                    _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
+                    _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
                                    stride_ob, stride_oh, stride_lb, stride_lh,
                                    NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS,
                                    MERGE_LSE_SLOTS)
@@ -191,7 +193,9 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
         KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
-        MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim, plan.tiles.num_warps) if fused else 1,
+        # the merge kernel's blocking (its 4 warps' register budget: no spills at 2 warps either, as the KV loop's
+        # registers are free by then), so the fold is the same arithmetic in both
+        MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim) if fused else 1,
         MERGE_LSE_SLOTS=lse_slots(merge_rows_pad, plan.tiles.num_warps) if fused else 1,
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
