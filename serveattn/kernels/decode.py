@@ -5,8 +5,10 @@ A program owns one work item (request, KV chunk) for one KV head. Its GROUP_PAD 
 query head) pairs of that KV group, token-major (padded to at least the 16 rows tensor cores need), so each
 K/V tile gathered through the page table is read once for the whole group and every draft token. Draft
 token t sits at KV position kv_len - QLEN + t and sees the keys up to it (bottom-right causal). A request
-whose KV is cut into several chunks writes fp32 partial outputs and base-2 LSEs into the workspace;
-`merge_kernel` folds them in chunk order, so the result is the same bits on every run.
+whose KV is cut into several chunks writes fp32 partial outputs and base-2 LSEs into the workspace; the
+program that finishes a (request, KV head)'s last chunk folds them in chunk order (`_merge_request`; or
+`merge_kernel`, a second launch, when no completion counts are given), so the result is the same bits on every
+run.
 """
 import triton
 import triton.language as tl
