@@ -466,8 +466,8 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"- each timed call rotates among distinct random input sets (q, paged cache, contiguous K/V) "
              f"holding at least {cfg['l2_multiple']:g}x the {cfg['l2_bytes'] / 2 ** 20:.0f} MiB L2 in K/V (at least "
              f"{cfg['min_input_sets']}, at most {cfg['max_sets']} sets; the count per case is in 'floors').",
-             f"- CUDA graph: one graph per input set, each capturing one run after a warm-up run; the timed call "
-             f"is graph.replay().",
+             "- CUDA graph: one graph per input set, each capturing one run after a warm-up run; the timed call "
+             "is graph.replay().",
              ""]
 
     headers = ["case", "ours", "ms", "TB/s", f"% of {bw:.2f}", "spread", "err", "ours/floor", "b2b ms"]
