@@ -118,8 +118,9 @@ def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stri
                    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr, LSE_SLOTS: tl.constexpr):
     """Folds the n partial states from slot `first` of request req, KV head kvh (fixed order and blocking, so
     bitwise repeatable): the row max of the chunks' LSEs first, then their outputs weighted by exp2(lse - max),
-    SLOTS chunks per load (LSE_SLOTS for the max). ROWS: the (draft token, query head) rows padded to a power of two (no tensor cores
-    here: no 16-row floor). The loads bypass L1 (.cg): another program may have written these slots."""
+    SLOTS chunks per load (LSE_SLOTS for the max). ROWS: the (draft token, query head) rows padded to a power of
+    two (no tensor cores here: no 16-row floor). The loads bypass L1 (.cg): another program may have written
+    these slots."""
     r = tl.arange(0, ROWS)
     row_ok = r < QLEN * GROUP
     tok = r // GROUP
@@ -189,14 +190,16 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
         plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot, plan.req_num_slots,
-        done_count if fused else plan.work, plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
+        done_count if fused else plan.work,
+        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
         KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
-        # the merge kernel's blocking (its 4 warps' register budget: no spills at 2 warps either, as the KV loop's
-        # registers are free by then), so the fold is the same arithmetic in both
+        # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
+        # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
+        # outside the loop)
         MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim) if fused else 1,
         MERGE_LSE_SLOTS=lse_slots(merge_rows_pad, plan.tiles.num_warps) if fused else 1,
         num_warps=plan.tiles.num_warps,
