@@ -105,8 +105,8 @@ def test_split_counts_agree(device):
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     """The split-KV fold done by each (request, KV head)'s last decode program gives the merge kernel's bits (one
-    request with many chunks, one with two, one empty (decode) or short, one unsplit); its completion counts are zero after every
-    run, so the next run (or graph replay) starts clean; the result matches the reference."""
+    request with many chunks, one with two, one empty (decode) or short, one unsplit); its completion counts are
+    zero after every run, so the next run (or graph replay) starts clean; the result matches the reference."""
     from serveattn import decode as decode_mod
 
     gen = torch.Generator().manual_seed(33 + q_len)
