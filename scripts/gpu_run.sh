@@ -14,6 +14,7 @@
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
+#   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -42,8 +43,8 @@ for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    bench-verify|probe-chain-tiles|probe-fusion) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion" >&2; exit 2 ;;
+    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon" >&2; exit 2 ;;
   esac
 done
 
@@ -158,6 +159,16 @@ step_probe_fusion() {  # what the no-contraction contract costs: explicit fma, t
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct? as fast as our Triton kernel?
+  {
+    for t in "--block-m 128 --block-n 64 --warps 8" "--block-m 128 --block-n 128 --warps 8"; do
+      echo "== $t"
+      timeout 90 python3 scripts/gluon_attention_probe.py --run --seq 8192 $t
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-gluon.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -189,6 +200,7 @@ for s in "${STEPS[@]}"; do
     bench-verify) step_bench "" bench-verify verify ;;
     probe-chain-tiles) step_probe_chain_tiles ;;
     probe-fusion) step_probe_fusion ;;
+    probe-gluon) step_probe_gluon ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
