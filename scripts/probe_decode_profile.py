@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import serveattn
+from serveattn.bench import common
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -32,17 +33,9 @@ def kernel_times(fn, reps):
     return {k: (len(v) / reps, sum(v) / len(v)) for k, v in acc.items()}
 
 
-def event_us(fn, reps=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
+def event_us(fn):
+    """Mean us per call back to back (the bench's own measure: CUDA events around a loop, no L2 flush)."""
+    return common.back_to_back_ms(fn, warmup_ms=10, rep_ms=40) * 1e3
 
 
 def case(batch, kv, kv_dtype):

@@ -579,6 +579,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
     grid0, merge_rows = _grid(plan, False)
     policy.check_scales(entry, q.device, k_scale=k_scale, v_scale=v_scale)
-    done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE else None
+    # completion counts only where a fold happens (an unsplit call launches no merge of either kind)
+    done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE and plan.num_slots else None
     decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -100,11 +100,11 @@ def decode_kernel(
                 tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
-def merge_slots(rows: int, head_dim: int, num_warps: int = 4) -> int:
+def merge_slots(rows: int, head_dim: int) -> int:
     """Partial states a merge folds per load: its loop's loads are not pipelined (Triton 3.6 pipelines the
     loads that feed a dot), so each trip is one round trip to L2, and a block of slots per trip cuts the trips;
-    the block holds about 64 fp32 values a thread (8K at 4 warps)."""
-    return max(1, min(16, 2048 * num_warps // (rows * head_dim)))
+    the block holds about 8K fp32 values (64 registers a thread at merge_kernel's 4 warps)."""
+    return max(1, min(16, 8192 // (rows * head_dim)))
 
 
 def lse_slots(rows: int, num_warps: int) -> int:
