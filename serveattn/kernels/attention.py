@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_ws
 from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
@@ -372,6 +373,10 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles
+    qk_scale = plan.sm_scale * ks * LOG2E
+    if attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
+            q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
+        return
     vt, vt_tokens = plan.work, 0
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
         vt_tokens = plan.vt_tokens
@@ -386,7 +391,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
                                                                               plan.last_page_len, plan.mask,
                                                                               plan.mask_indptr, plan.tree_mask),
-        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
+        qk_scale, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
         vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens,

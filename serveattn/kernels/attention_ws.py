@@ -1,0 +1,375 @@
+"""Hopper (sm_90) prefill kernel in Gluon, warp-specialized: the fast path of the prefill family.
+
+Triton 3.6's `tl.dot` waits for each wgmma right after issuing it and cannot warp-specialize an attention loop
+on Hopper, so the Triton kernel (attention.py) leaves the tensor cores idle during each block's softmax. This
+kernel writes the FA3 schedule out by hand:
+- a producer warp gathers K and V blocks page by page with TMA (one copy per page into a 2-stage ring,
+  completion counted in bytes on an mbarrier) and waits for the consumers to free a stage;
+- two consumer warp groups take 64 of the work item's 128 (token, query head) rows each and run on their own,
+  so one group's softmax overlaps the other's matrix products; inside a group the next block's q.K^T is in
+  flight during this block's softmax, and P.V is waited for only when the block after needs the accumulator.
+
+It serves what most prefill calls are (anything else takes attention.prefill_kernel, see `serves`): 16-bit q
+and K/V of one dtype, head dim 128, no custom mask, window, soft cap, RoPE or tree; pages of 8+ keys (a power
+of two) or ragged K/V. Per block its arithmetic is prefill_kernel's, op for op (same 128 x 128 blocks, the same
+wgmma accumulator layouts and row reductions, fp contraction off), so the two kernels agree bitwise and an fp8
+cache served by prefill_kernel stays bitwise equal to its dequantized run served here (API.md); a GPU test
+holds them to it.
+
+K/V reach the TMA unit as a 2-D view [rows, slot stride] of the cache: a key (page p, slot s, head h) is row
+p * page_rows + head_row(h) + s, column head_col(h), which covers NHD and HND pages and FlashInfer's
+interleaved [pages, 2, ...] cache alike. The last block of a request may hold keys past kv_len (the rest of a
+partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
+(0 * NaN would poison the output).
+"""
+import os
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+from .common import LAUNCH_OPTIONS
+
+BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
+BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
+HEAD_DIM = gl.constexpr(128)
+STAGES = gl.constexpr(2)  # K and V ring depth (3 measured no faster, 2026-12-03)
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fills the register file
+
+
+@gluon.jit
+def _item(work, w, qo_indptr, kv_indptr, last_page_len, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
+          PAGED: gl.constexpr, CAUSAL: gl.constexpr):
+    """A work item's request geometry and its key blocks: blocks [0, n_full) every valid row sees whole,
+    [n_full, n_blocks) masked (prefill_kernel's loop bounds without window or mask)."""
+    req = gl.load(work + 2 * w)
+    tile = gl.load(work + 2 * w + 1)
+    q_start = gl.load(qo_indptr + req)
+    qo_len = gl.load(qo_indptr + req + 1) - q_start
+    kv_base = gl.load(kv_indptr + req)
+    if PAGED:
+        num_pages = gl.load(kv_indptr + req + 1) - kv_base
+        kv_len = gl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + gl.load(last_page_len + req), 0)
+    else:
+        kv_len = gl.load(kv_indptr + req + 1) - kv_base
+    delta = kv_len - qo_len
+    hi = kv_len
+    full_hi = kv_len
+    if CAUSAL:
+        tok_min = tile * BLOCK_M // GROUP
+        tok_max = gl.minimum(((tile + 1) * BLOCK_M - 1) // GROUP, qo_len - 1)
+        hi = gl.minimum(kv_len, delta + tok_max + 1)
+        full_hi = gl.minimum(kv_len, delta + tok_min + 1)
+    n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    n_full = gl.maximum(full_hi, 0) // BLOCK_N
+    return tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full
+
+
+@gluon.jit
+def _fetch(desc, smem, bar, kv_indices, kv_base, kv_len, block, page_rows, head_row, head_col,
+           PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr):
+    """TMA of key block `block` (BLOCK_N / BOX copies of BOX keys) into smem, completing on bar."""
+    COPIES: gl.constexpr = BLOCK_N // BOX
+    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)  # one expect per phase: every copy is issued
+    if PAGED:
+        last_page = kv_base + gl.cdiv(kv_len, PAGE_SIZE) - 1
+        # every page index is loaded before the first copy: one table latency per block, not one per page
+        rows = ()
+        for i in gl.static_range(COPIES):
+            key0 = block * BLOCK_N + i * BOX
+            # past the request's last page (tail block only) fetch that page again: masked, V rows zeroed
+            page = gl.load(kv_indices + gl.minimum(kv_base + key0 // PAGE_SIZE, last_page))
+            rows = rows + (page * page_rows + head_row + key0 % PAGE_SIZE,)
+        for i in gl.static_range(COPIES):
+            tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
+    else:  # ragged: rows past the tensor's end come back as zeros, past kv_len as other requests' keys
+        tma.async_copy_global_to_shared(desc, [kv_base + block * BLOCK_N + head_row, head_col], bar, smem)
+
+
+@gluon.jit
+def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+             work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+             k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
+             GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
+             CAUSAL: gl.constexpr):
+    kvh = gl.program_id(1)
+    num_work = gl.load(num_work_ptr)
+    k_row = kvh * k_head_rows
+    k_col = kvh * k_head_cols
+    v_row = kvh * v_head_rows
+    v_col = kvh * v_head_cols
+    done = 0  # blocks of earlier work items: the ring's stage and phase run on across items
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
+            work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
+        # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
+        if n_blocks > 0:
+            st = done % STAGES
+            mbarrier.wait(k_empty.index(st), ((done // STAGES) & 1) ^ 1)
+            _fetch(k_desc, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, 0,
+                   k_page_rows, k_row, k_col, PAGE_SIZE, BOX, PAGED)
+        for j in range(n_blocks):
+            g = done + j + 1
+            if j + 1 < n_blocks:
+                st = g % STAGES
+                mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
+                _fetch(k_desc, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, j + 1,
+                       k_page_rows, k_row, k_col, PAGE_SIZE, BOX, PAGED)
+            g = done + j
+            st = g % STAGES
+            mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
+            _fetch(v_desc, v_smem.index(st), v_ready.index(st), kv_indices, kv_base, kv_len, j,
+                   v_page_rows, v_row, v_col, PAGE_SIZE, BOX, PAGED)
+        done += n_blocks
+
+
+@gluon.jit
+def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+             Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+             work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, row0,
+             GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+             RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
+    ROWS: gl.constexpr = BLOCK_M // 2
+    nw: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    kvh = gl.program_id(1)
+    num_work = gl.load(num_work_ptr)
+    if K_SCALE_PTR:  # a one-element device tensor, read here so a captured graph follows its value
+        qk_scale = qk_scale * gl.load(k_scale_ptr)
+    if V_SCALE_PTR:
+        v_scale = v_scale * gl.load(v_scale_ptr)
+    done = 0
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
+            work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
+        r_io = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+        d_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+        tok_io = r_io // GROUP
+        q_off = (q_start + tok_io).to(gl.int64) * stride_qt + (kvh * GROUP + r_io % GROUP).to(gl.int64) * stride_qh
+        q = gl.load(Q + q_off[:, None] + d_io[None, :], mask=(tok_io < qo_len)[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=row_layout)
+        tok = rows // GROUP
+        row_ok = tok < qo_len
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if n_blocks > 0:
+            acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
+            st = done % STAGES
+            mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
+                              s_layout), use_acc=False, is_async=True)
+            for j in range(n_blocks):
+                g = done + j
+                st = g % STAGES
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j) (P.V(j-1) may still run)
+                mbarrier.arrive(k_empty.index(st), count=1)  # K(j) read
+                more = j + 1 < n_blocks
+                if more:  # S(j+1) runs during this block's softmax
+                    nst = (g + 1) % STAGES
+                    mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
+                    s_next = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
+                                           gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                           is_async=True)
+                else:
+                    s_next = warpgroup_mma_init(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))
+
+                x = s * qk_scale
+                n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                if j >= n_full:  # prefill_kernel's MASKED blocks
+                    visible = (n < kv_len)[None, :] & row_ok[:, None]
+                    if CAUSAL:
+                        visible = visible & (n[None, :] <= (delta + tok)[:, None])
+                    x = gl.where(visible, x, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(x, 1))
+                # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(x - m_safe[:, None])
+                alpha = gl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+                if not more:  # no S(j+1) in flight: the wait below would not cover P.V(j-1)
+                    warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P.V(j-1) done, S(j+1) may run
+                if j > 0:
+                    mbarrier.arrive(v_empty.index((g + STAGES - 1) % STAGES), count=1)  # V(j-1) read
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
+                if (j + 1) * BLOCK_N > kv_len:  # keys past kv_len: zero their V rows (P is 0 there)
+                    v_tile = v_smem.index(st).load(io_layout)
+                    n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+                    v_smem.index(st).store(gl.where((n_io < kv_len)[:, None], v_tile, gl.zeros_like(v_tile)))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
+                s = s_next
+            out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))[0]
+            mbarrier.arrive(v_empty.index((done + n_blocks - 1) % STAGES), count=1)
+        done += n_blocks
+
+        # attention._finish, op for op
+        empty = l_i == 0.0
+        out = out_acc * gl.convert_layout(v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
+        o_rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        o_tok = o_rows // GROUP
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_off = (q_start + o_tok).to(gl.int64) * stride_ot + (kvh * GROUP + o_rows % GROUP).to(gl.int64) * stride_oh
+        gl.store(O + o_off[:, None] + o_d[None, :], out.to(O.dtype.element_ty), mask=(o_tok < qo_len)[:, None])
+        if RETURN_LSE:
+            lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+            l_off = (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rows % GROUP).to(gl.int64) * stride_lh
+            gl.store(LSE + l_off, lse, mask=row_ok)
+        gl.thread_barrier()  # every row's q read from q_smem before the next item overwrites it
+
+
+@gluon.jit
+def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                    work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                    GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+                    RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
+    _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+             Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+             work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, BLOCK_M // 2,
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)
+
+
+@gluon.jit
+def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                      work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                      k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
+                      qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                      GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
+                      CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
+                      V_SCALE_PTR: gl.constexpr):
+    dtype: gl.constexpr = k_desc.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer group
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                    work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)),
+        (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                           Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                           work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+                           qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)),
+        (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                    k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
+                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _enabled() -> bool:
+    return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
+    """(slot stride, page rows, head rows, head cols) of K or V as rows of a [rows, slot stride] view, or None
+    when the cache's strides do not allow that view (see the module docstring)."""
+    page_stride, slot_stride, head_stride = strides
+    if t.stride(-1) != 1 or slot_stride <= 0 or slot_stride % 8 or t.data_ptr() % 16:
+        return False
+    if page_stride % slot_stride:
+        return False
+    if head_stride % slot_stride == 0:
+        head_rows, head_cols = head_stride // slot_stride, 0
+    elif head_stride * (num_kv_heads - 1) + HEAD_DIM.value <= slot_stride and head_stride % 8 == 0:
+        head_rows, head_cols = 0, head_stride
+    else:
+        return False
+    return slot_stride, page_stride // slot_stride, head_rows, head_cols
+
+
+def _descriptor(t: torch.Tensor, slot_stride: int, box: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    rows = triton.cdiv(extent, slot_stride)
+    layout = gl.NVMMASharedLayout.get_default_for([box, HEAD_DIM.value], gl.bfloat16 if t.dtype == torch.bfloat16
+                                                  else gl.float16)
+    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, HEAD_DIM.value], layout), rows
+
+
+def serves(q, k, v, plan, descales) -> bool:
+    """Whether this call's kind is the warp-specialized kernel's (launch() still checks the cache's strides);
+    otherwise the call takes prefill_kernel, which gives the same bits."""
+    if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if plan.head_dim != HEAD_DIM.value or plan.tiles.block_m != BLOCK_M.value or plan.tiles.block_n != BLOCK_N.value:
+        return False
+    if plan.has_mask or plan.window_left >= 0 or plan.soft_cap > 0 or plan.rope or plan.tree_mask is not None:
+        return False
+    ps = plan.page_size
+    if plan.paged and (ps < 8 or ps & (ps - 1)):
+        return False
+    return True
+
+
+def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
+           ks_dev: bool, vs_dev: bool) -> bool:
+    """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not."""
+    if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
+        sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
+    k_map = _row_map(k, sk, plan.num_kv_heads)
+    v_map = _row_map(v, sv, plan.num_kv_heads)
+    if k_map is None or v_map is None:
+        return False
+    box = min(plan.page_size, BLOCK_N.value) if plan.paged else BLOCK_N.value
+    k_desc, k_rows = _descriptor(k, k_map[0], box)
+    v_desc, v_rows = _descriptor(v, v_map[0], box)
+    if max(k_rows, v_rows) >= 2 ** 31:
+        return False
+    lse_arg = lse if lse is not None else out
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    prefill_ws_kernel[(grid0, plan.num_kv_heads)](
+        q, k_desc, v_desc, out, lse_arg,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
+        plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
+        plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
+        k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
+        qk_scale, v_scale, ks_ptr, vs_ptr,
+        GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
+        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+        num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
+    return True

@@ -1,0 +1,206 @@
+"""The warp-specialized Hopper prefill kernel (kernels/attention_ws.py) on the GPU: bitwise equal to
+prefill_kernel (the contract that keeps an fp8 cache bitwise equal to its dequantized run), against the float64
+reference, every element written, repeatable, and taken where it should be."""
+import zlib
+
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from serveattn.kernels import attention_ws
+from helpers import check_lse, make_paged_batch, nan_like, random_lengths, rel_err, tolerance
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    """Counts launches of the warp-specialized kernel."""
+    calls = []
+    real = attention_ws.launch
+
+    def spy(*args, **kwargs):
+        ran = real(*args, **kwargs)
+        calls.append(ran)
+        return ran
+    monkeypatch.setattr(attention_ws, "launch", spy)
+    return calls
+
+
+CASES = [
+    # (name, qo_lens, kv_lens, hq, hkv, page_size, kv_layout, cache form, causal)
+    ("mixed-causal-gqa4", None, None, 32, 8, 16, "NHD", "interleaved", True),
+    ("mixed-noncausal-mha", None, None, 8, 8, 16, "NHD", "tuple", False),
+    ("hnd-gqa8-page32", None, None, 16, 2, 32, "HND", "interleaved", True),
+    ("page8-strided", None, None, 8, 2, 8, "NHD", "strided", True),
+    ("page256", [300, 0, 1000], [700, 5, 1000], 8, 2, 256, "NHD", "tuple", True),
+    ("page64-noncausal-tails", [1, 77, 130], [1, 190, 4000], 8, 1, 64, "HND", "tuple", False),
+    ("long-causal", [3000], [3000], 8, 2, 16, "NHD", "interleaved", True),
+]
+
+
+def _batch(case, dtype):
+    name, qo_lens, kv_lens, hq, hkv, ps, layout, form, causal = case
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ws{name}{dtype}".encode()))
+    if qo_lens is None:
+        qo_lens, kv_lens = random_lengths(gen, 9, 300, 1200, causal)
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128,
+                         page_size=ps, dtype=dtype, kv_layout=layout, tuple_cache=form == "tuple",
+                         non_contiguous=form == "strided", device="cuda")
+    return b, hq, hkv, causal
+
+
+def _run(w, b, dtype):
+    out = nan_like(b.q.shape, dtype, "cuda")
+    lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_paged_equals_prefill_kernel(case, dtype, ws_calls, monkeypatch):
+    b, hq, hkv, causal = _batch(case, dtype)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                       b.kv_layout)
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, 128, b.page_size, causal=causal,
+           q_data_type=dtype)
+    out, lse = _run(w, b, dtype)
+    assert ws_calls == [True], "the call did not take the warp-specialized kernel"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an element was not written"
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=causal, kv_layout=b.kv_layout)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)
+    out2, lse2 = _run(w, b, dtype)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "not repeatable"
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    out_t, lse_t = _run(w, b, dtype)
+    assert ws_calls == [True, True], "SERVEATTN_PREFILL_WS=0 still took the warp-specialized kernel"
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t), "not bitwise prefill_kernel's result"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_equals_prefill_kernel(causal, ws_calls, monkeypatch):
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(7 + causal)
+    qo_lens, kv_lens = random_lengths(gen, 7, 400, 1500, causal)
+    hq, hkv = 16, 4
+    i32 = dict(dtype=torch.int32, device="cuda")
+    qo_indptr = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), **i32)
+    kv_indptr = torch.tensor([0] + torch.tensor(kv_lens).cumsum(0).tolist(), **i32)
+    q = torch.randn(sum(qo_lens), hq, 128, generator=gen).to(dtype).cuda()
+    k = torch.randn(sum(kv_lens), hkv, 128, generator=gen).to(dtype).cuda()
+    v = torch.randn(sum(kv_lens), hkv, 128, generator=gen).to(dtype).cuda()
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
+    w.plan(qo_indptr, kv_indptr, hq, hkv, 128, causal=causal, q_data_type=dtype)
+
+    def run():
+        out = nan_like(q.shape, dtype, "cuda")
+        lse = nan_like(q.shape[:2], torch.float32, "cuda")
+        w.run(q, k, v, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run()
+    assert ws_calls == [True]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    ref_out, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    out_t, lse_t = run()
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_nan_past_kv_len_stays_out(ws_calls):
+    """Slots past a request's last key (the rest of a partial last page) may hold anything: NaN there must not
+    reach the output (the kernel fetches whole pages and zeroes those V rows)."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(11)
+    b = make_paged_batch(gen, qo_lens=[5, 40], kv_lens=[21, 333], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                         page_size=16, dtype=dtype, tuple_cache=True, device="cuda")
+    k, v = b.cache
+    for r, kv_len in enumerate(b.kv_lens):  # poison the unused slots of each last page
+        last = int(b.kv_indices[int(b.kv_indptr[r + 1]) - 1])
+        k[last, kv_len % 16:] = float("nan")
+        v[last, kv_len % 16:] = float("nan")
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, causal=True, q_data_type=dtype)
+    out, lse = _run(w, b, dtype)
+    assert ws_calls == [True]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    ref_out, _ = reference.batch_paged(b.q, (k.nan_to_num(0.0), v.nan_to_num(0.0)), b.qo_indptr, b.kv_indptr,
+                                       b.kv_indices, b.last_page_len, causal=True)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_scales_and_graph_replay(ws_calls, monkeypatch):
+    """k_scale / v_scale as device tensors under CUDA graph capture (programs stride over more work items than
+    the grid holds, so the ring's phases run on across items); replay equals eager prefill_kernel."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    qo_lens, kv_lens = [2048] * 6, [2048 + 100 * i for i in range(6)]
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                         page_size=16, dtype=dtype, device="cuda")
+    bufs = dict(qo_indptr_buf=torch.empty(8, dtype=torch.int32, device="cuda"),
+                paged_kv_indptr_buf=torch.empty(8, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buf=torch.empty(b.kv_indices.numel() + 64, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buf=torch.empty(7, dtype=torch.int32, device="cuda"))
+    ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True, **bufs)
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, causal=True, q_data_type=dtype)
+    k_scale = torch.tensor([0.37], device="cuda")
+    v_scale = torch.tensor([1.9], device="cuda")
+    out = nan_like(b.q.shape, dtype, "cuda")
+    lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ws_calls and all(ws_calls)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    e = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
+    e.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, causal=True, q_data_type=dtype)
+    out_t, lse_t = e.run(b.q, b.cache, return_lse=True, k_scale=0.37, v_scale=1.9)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True, k_scale=0.37, v_scale=1.9)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_fp8_cache_equals_dequantized_run_served_here(ws_calls):
+    """API.md's fp8 contract across the two kernels: the fp8 cache is served by prefill_kernel, its dequantized
+    copy by the warp-specialized kernel; the outputs are bitwise equal."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    b = make_paged_batch(gen, qo_lens=[600, 31], kv_lens=[900, 2000], num_qo_heads=16, num_kv_heads=4,
+                         head_dim=128, page_size=16, dtype=dtype, tuple_cache=True, device="cuda")
+    k8, v8 = (t.to(torch.float8_e4m3fn) for t in b.cache)
+    ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
+    w8 = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
+    w8.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 16, 4, 128, 16, causal=True, q_data_type=dtype,
+            kv_data_type=torch.float8_e4m3fn)
+    o8, l8 = w8.run(b.q, (k8, v8), return_lse=True, k_scale=0.5, v_scale=3.0)
+    assert ws_calls == []
+    wb = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
+    wb.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 16, 4, 128, 16, causal=True, q_data_type=dtype)
+    ob, lb = wb.run(b.q, (k8.to(dtype), v8.to(dtype)), return_lse=True, k_scale=0.5, v_scale=3.0)
+    assert ws_calls == [True]
+    assert torch.equal(o8, ob) and torch.equal(l8, lb)
