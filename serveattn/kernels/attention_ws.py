@@ -22,6 +22,7 @@ interleaved [pages, 2, ...] cache alike. The last block of a request may hold ke
 partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
 (0 * NaN would poison the output).
 """
+import functools
 import os
 import torch
 import triton
@@ -35,7 +36,8 @@ from .common import LAUNCH_OPTIONS
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
 HEAD_DIM = gl.constexpr(128)
-STAGES = gl.constexpr(2)  # K and V ring depth (3 measured no faster, 2026-12-03)
+# K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
+STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fills the register file
@@ -70,24 +72,29 @@ def _item(work, w, qo_indptr, kv_indptr, last_page_len, GROUP: gl.constexpr, PAG
 
 
 @gluon.jit
-def _fetch(desc, smem, bar, kv_indices, kv_base, kv_len, block, page_rows, head_row, head_col,
-           PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr):
-    """TMA of key block `block` (BLOCK_N / BOX copies of BOX keys) into smem, completing on bar."""
-    COPIES: gl.constexpr = BLOCK_N // BOX
-    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)  # one expect per phase: every copy is issued
+def _block_rows(kv_indices, kv_base, kv_len, block, page_rows, head_row, PAGE_SIZE: gl.constexpr,
+                BOX: gl.constexpr, PAGED: gl.constexpr):
+    """Row coordinates of key block `block`'s BLOCK_N / BOX copies. Paged: every page index is loaded here,
+    before the producer waits for a free stage, so the table's latency overlaps that wait."""
+    rows = ()
     if PAGED:
         last_page = kv_base + gl.cdiv(kv_len, PAGE_SIZE) - 1
-        # every page index is loaded before the first copy: one table latency per block, not one per page
-        rows = ()
-        for i in gl.static_range(COPIES):
+        for i in gl.static_range(BLOCK_N // BOX):
             key0 = block * BLOCK_N + i * BOX
             # past the request's last page (tail block only) fetch that page again: masked, V rows zeroed
             page = gl.load(kv_indices + gl.minimum(kv_base + key0 // PAGE_SIZE, last_page))
             rows = rows + (page * page_rows + head_row + key0 % PAGE_SIZE,)
-        for i in gl.static_range(COPIES):
-            tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
     else:  # ragged: rows past the tensor's end come back as zeros, past kv_len as other requests' keys
-        tma.async_copy_global_to_shared(desc, [kv_base + block * BLOCK_N + head_row, head_col], bar, smem)
+        rows = (kv_base + block * BLOCK_N + head_row,)
+    return rows
+
+
+@gluon.jit
+def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
+    """TMA of one key block (its copies' rows from _block_rows) into smem, completing on bar."""
+    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)  # one expect per phase: every copy is issued
+    for i in gl.static_range(BLOCK_N // BOX):
+        tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
 
 
 @gluon.jit
@@ -108,22 +115,22 @@ def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
         if n_blocks > 0:
+            rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
             st = done % STAGES
             mbarrier.wait(k_empty.index(st), ((done // STAGES) & 1) ^ 1)
-            _fetch(k_desc, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, 0,
-                   k_page_rows, k_row, k_col, PAGE_SIZE, BOX, PAGED)
+            _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
         for j in range(n_blocks):
             g = done + j + 1
             if j + 1 < n_blocks:
+                rows = _block_rows(kv_indices, kv_base, kv_len, j + 1, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
                 st = g % STAGES
                 mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
-                _fetch(k_desc, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, j + 1,
-                       k_page_rows, k_row, k_col, PAGE_SIZE, BOX, PAGED)
+                _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
+            rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
             g = done + j
             st = g % STAGES
             mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
-            _fetch(v_desc, v_smem.index(st), v_ready.index(st), kv_indices, kv_base, kv_len, j,
-                   v_page_rows, v_row, v_col, PAGE_SIZE, BOX, PAGED)
+            _fetch(v_desc, v_smem.index(st), v_ready.index(st), rows, v_col, BOX)
         done += n_blocks
 
 
@@ -297,6 +304,11 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
 def _enabled() -> bool:
     return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -332,7 +344,7 @@ def serves(q, k, v, plan, descales) -> bool:
     otherwise the call takes prefill_kernel, which gives the same bits."""
     if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
