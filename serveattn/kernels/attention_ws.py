@@ -22,7 +22,6 @@ interleaved [pages, 2, ...] cache alike. The last block of a request may hold ke
 partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
 (0 * NaN would poison the output).
 """
-import functools
 import os
 import torch
 import triton
@@ -304,11 +303,6 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int):
-    return torch.cuda.get_device_capability(index)
-
-
 def _enabled() -> bool:
     return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -344,7 +338,7 @@ def serves(q, k, v, plan, descales) -> bool:
     otherwise the call takes prefill_kernel, which gives the same bits."""
     if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
         return False
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
