@@ -64,9 +64,11 @@ def _run(w, b, dtype):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("gather", ["tma", "cp"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_paged_equals_prefill_kernel(case, dtype, ws_calls, monkeypatch):
+def test_paged_equals_prefill_kernel(case, dtype, gather, ws_calls, monkeypatch):
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
     b, hq, hkv, causal = _batch(case, dtype)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
                                                        b.kv_layout)

@@ -21,12 +21,17 @@ p * page_rows + head_row(h) + s, column head_col(h), which covers NHD and HND pa
 interleaved [pages, 2, ...] cache alike. The last block of a request may hold keys past kv_len (the rest of a
 partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
 (0 * NaN would poison the output).
+
+SERVEATTN_PREFILL_WS_GATHER=cp (branch next/ws-cpasync-producer, not GPU-run yet): paged K/V gathered by a
+producer warp group with cp.async (`prefill_ws_cp_kernel`) instead of the TMA warp, to test whether the 16 small
+TMA messages a block of 16-key pages needs are what keeps paged 17-28% behind ragged.
 """
 import os
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
@@ -139,7 +144,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-             RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
+             RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
+             GENERIC_COPIES: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
@@ -181,6 +187,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
             st = done % STAGES
             mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
+            if GENERIC_COPIES:  # cp.async wrote the tile: order it before the tensor cores read it
+                fence_async_shared()
             s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
                               s_layout), use_acc=False, is_async=True)
             for j in range(n_blocks):
@@ -192,6 +200,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 if more:  # S(j+1) runs during this block's softmax
                     nst = (g + 1) % STAGES
                     mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
+                    if GENERIC_COPIES:
+                        fence_async_shared()
                     s_next = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
                                            gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
                                            is_async=True)
@@ -221,6 +231,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     mbarrier.arrive(v_empty.index((g + STAGES - 1) % STAGES), count=1)  # V(j-1) read
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
+                if GENERIC_COPIES:
+                    fence_async_shared()
                 if (j + 1) * BLOCK_N > kv_len:  # keys past kv_len: zero their V rows (P is 0 there)
                     v_tile = v_smem.index(st).load(io_layout)
                     n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
@@ -254,12 +266,13 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                    RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr):
+                    RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
+                    GENERIC_COPIES: gl.constexpr):
     _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, BLOCK_M // 2,
-             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, GENERIC_COPIES)
 
 
 @gluon.jit
@@ -290,17 +303,114 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)),
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR)),
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False)),
         (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
                     GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _gather(ptr, smem, bar, kv_indices, kv_base, kv_len, block, stride_p, stride_s, head_off,
+            PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
+    """cp.async of key block `block` by the producer group's 128 threads (16 B each, 16 per thread), keys past
+    kv_len zero-filled; each thread's copies arrive on bar when they land (init count: 128)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    ok = n < kv_len
+    if PAGED:
+        page = gl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=ok, other=0)
+        off = page.to(gl.int64) * stride_p + (n % PAGE_SIZE).to(gl.int64) * stride_s
+    else:
+        off = (kv_base + n).to(gl.int64) * stride_p
+    off = off + head_off
+    async_copy.async_copy_global_to_shared(smem, ptr + off[:, None] + d[None, :], mask=ok[:, None])
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _produce_cp(K, V, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr):
+    kvh = gl.program_id(1)
+    num_work = gl.load(num_work_ptr)
+    k_head = kvh.to(gl.int64) * stride_kh
+    v_head = kvh.to(gl.int64) * stride_vh
+    done = 0
+    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
+            work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
+        if n_blocks > 0:
+            st = done % STAGES
+            mbarrier.wait(k_empty.index(st), ((done // STAGES) & 1) ^ 1)
+            _gather(K, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, 0, stride_kp, stride_ks,
+                    k_head, PAGE_SIZE, PAGED)
+        for j in range(n_blocks):
+            g = done + j + 1
+            if j + 1 < n_blocks:
+                st = g % STAGES
+                mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
+                _gather(K, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, j + 1, stride_kp,
+                        stride_ks, k_head, PAGE_SIZE, PAGED)
+            g = done + j
+            st = g % STAGES
+            mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
+            _gather(V, v_smem.index(st), v_ready.index(st), kv_indices, kv_base, kv_len, j, stride_vp, stride_vs,
+                    v_head, PAGE_SIZE, PAGED)
+        done += n_blocks
+
+
+@gluon.jit
+def prefill_ws_cp_kernel(Q, K, V, O, LSE,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                         work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                         qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                         GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
+                         CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
+                         V_SCALE_PTR: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CP_PRODUCER_REGS: gl.constexpr,
+                         CP_CONSUMER_REGS: gl.constexpr):
+    """prefill_ws_kernel with a producer warp group gathering by cp.async instead of a TMA warp (FlashInfer's
+    fa3 choice for paged KV): any page size and stride, no whole-page over-fetch."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=PRODUCER_WARPS * 32)  # one cp.async arrival per producer thread
+        mbarrier.init(v_ready.index(i), count=PRODUCER_WARPS * 32)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                    work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True)),
+        (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                           Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                           work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
+                           qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True)),
+        (_produce_cp, (K, V, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                       work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                       stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                       GROUP, PAGE_SIZE, PAGED, CAUSAL)),
+    ], [4, PRODUCER_WARPS], [CP_CONSUMER_REGS, CP_PRODUCER_REGS])
 
 
 def _enabled() -> bool:
@@ -355,6 +465,19 @@ def serves(q, k, v, plan, descales) -> bool:
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
            ks_dev: bool, vs_dev: bool) -> bool:
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not."""
+    lse_arg = lse if lse is not None else out
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    aligned = all(x % 16 == 0 for x in (*sk, *sv))  # what Triton specializes as divisible (16 B copies) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    if os.environ.get("SERVEATTN_PREFILL_WS_GATHER", "tma") == "cp" and plan.paged and aligned:
+        prefill_ws_cp_kernel[(grid0, plan.num_kv_heads)](
+            q, k, v, out, lse_arg,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
+            plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
+            *sk, *sv, qk_scale, v_scale, ks_ptr, vs_ptr,
+            GROUP=plan.group, PAGE_SIZE=plan.page_size, PAGED=True, CAUSAL=plan.causal,
+            RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PRODUCER_WARPS=4,
+            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
+        return True
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
         sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
     k_map = _row_map(k, sk, plan.num_kv_heads)
@@ -366,8 +489,6 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     v_desc, v_rows = _descriptor(v, v_map[0], box)
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
-    lse_arg = lse if lse is not None else out
-    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     prefill_ws_kernel[(grid0, plan.num_kv_heads)](
         q, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
