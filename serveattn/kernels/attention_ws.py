@@ -26,12 +26,13 @@ SERVEATTN_PREFILL_WS_GATHER=cp (branch next/ws-cpasync-producer, not GPU-run yet
 producer warp group with cp.async (`prefill_ws_cp_kernel`) instead of the TMA warp, to test whether the 16 small
 TMA messages a block of 16-key pages needs are what keeps paged 17-28% behind ragged.
 """
+import functools
 import os
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
@@ -413,6 +414,17 @@ def prefill_ws_cp_kernel(Q, K, V, O, LSE,
     ], [4, PRODUCER_WARPS], [CP_CONSUMER_REGS, CP_PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(box: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([box, HEAD_DIM.value], gl.bfloat16 if dtype == torch.bfloat16
+                                                else gl.float16)
+
+
 def _enabled() -> bool:
     return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -422,25 +434,23 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
     when the cache's strides do not allow that view (see the module docstring)."""
     page_stride, slot_stride, head_stride = strides
     if t.stride(-1) != 1 or slot_stride <= 0 or slot_stride % 8 or t.data_ptr() % 16:
-        return False
+        return None
     if page_stride % slot_stride:
-        return False
+        return None
     if head_stride % slot_stride == 0:
         head_rows, head_cols = head_stride // slot_stride, 0
     elif head_stride * (num_kv_heads - 1) + HEAD_DIM.value <= slot_stride and head_stride % 8 == 0:
         head_rows, head_cols = 0, head_stride
     else:
-        return False
+        return None
     return slot_stride, page_stride // slot_stride, head_rows, head_cols
 
 
 def _descriptor(t: torch.Tensor, slot_stride: int, box: int):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    rows = triton.cdiv(extent, slot_stride)
-    layout = gl.NVMMASharedLayout.get_default_for([box, HEAD_DIM.value], gl.bfloat16 if t.dtype == torch.bfloat16
-                                                  else gl.float16)
-    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, HEAD_DIM.value], layout), rows
+    rows = -(-extent // slot_stride)  # host arithmetic: triton.cdiv is a jit function, slow to call here
+    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, HEAD_DIM.value],
+                            _smem_layout(box, t.dtype)), rows
 
 
 def serves(q, k, v, plan, descales) -> bool:
@@ -448,7 +458,7 @@ def serves(q, k, v, plan, descales) -> bool:
     otherwise the call takes prefill_kernel, which gives the same bits."""
     if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if _capability(q.device) != (9, 0):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
