@@ -86,21 +86,21 @@ def _compile(kernel, constexprs, q, kv, out, warps, stages):
                           options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
 
 
-def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, cp=None):
+def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, cp=None, head_dim=128):
     """The warp-specialized Hopper prefill kernel (Gluon: a tensordesc signature, warps and registers fixed by
     the kernel module)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from serveattn.kernels import attention_ws as ws
     kernel = ws.prefill_ws_cp_kernel if cp else ws.prefill_ws_kernel
-    head_dim, block_n = ws.HEAD_DIM.value, ws.BLOCK_N.value
+    block_n = ws.BLOCK_N.value
     box = min(page_size, block_n) if paged else block_n
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
                       K_SCALE_PTR=False, V_SCALE_PTR=False)
     if cp:  # (producer warps, producer registers, consumer registers)
         del constexprs["BOX"]
-        constexprs.update(PRODUCER_WARPS=cp[0], CP_PRODUCER_REGS=cp[1], CP_CONSUMER_REGS=cp[2])
+        constexprs.update(PRODUCER_WARPS=cp[0], CP_PRODUCER_REGS=cp[1], CP_CONSUMER_REGS=cp[2], HEAD_DIM=head_dim)
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -176,7 +176,7 @@ def main():
     bm, bn, w, s = map(int, (a.tiles or ("128,128,8,2" if a.kernel == "prefill" else "16,128,4,3")).split(","))
     if a.kernel in ("prefill-ws", "prefill-ws-cp"):
         cp = tuple(map(int, a.cp.split(","))) if a.kernel == "prefill-ws-cp" else None
-        ck = compile_prefill_ws(a.q, a.group, a.page_size, not a.ragged, True, cp=cp)
+        ck = compile_prefill_ws(a.q, a.group, a.page_size, not a.ragged, True, cp=cp, head_dim=a.head_dim)
     elif a.kernel == "prefill":
         ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
                              a.vt)

@@ -13,18 +13,19 @@ from serveattn.kernels import attention_ws as ws
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("kernel", ["prefill-ws", "prefill-ws-cp"])
-def test_compiles_for_sm90_with_the_designed_schedule(kernel, tmp_path):
+@pytest.mark.parametrize("kernel, head_dim", [("prefill-ws", 128), ("prefill-ws-cp", 128), ("prefill-ws", 64)])
+def test_compiles_for_sm90_with_the_designed_schedule(kernel, head_dim, tmp_path):
     """Compiled in a fresh process (the suite runs under TRITON_INTERPRET=1, which Gluon does not take)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", kernel,
-                          "--cp", "4,40,232", "--dump", str(tmp_path)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", kernel, "--cp", "4,40,232",
+           "--head-dim", str(head_dim), "--dump", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = (tmp_path / f"{kernel}.ptx").read_text()
-    # two consumer groups, each: S(0) before the loop, S(j+1) and P.V(j) in it (x head_dim / 16 k-steps)
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 3 * (ws.HEAD_DIM.value // 16)
+    # two consumer groups, each: S(0) before the loop and S(j+1) in it (head_dim / 16 k-steps each), P.V(j)
+    # (BLOCK_N / 16 k-steps)
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // 16 + ws.BLOCK_N.value // 16)
     if kernel == "prefill-ws":
         assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
     else:  # a producer warp group's cp.async, each thread arriving on the stage's barrier
@@ -59,8 +60,8 @@ def test_tma_view_addresses_every_key(layout):
     else:
         k = torch.zeros(pages, 3, ps, heads, d, dtype=torch.bfloat16)[:, 1:][:, 0]
         strides = (k.stride(0), k.stride(1), k.stride(2))
-    slot_stride, page_rows, head_rows, head_cols = ws._row_map(k, strides, heads)
-    desc, rows = ws._descriptor(k, slot_stride, ps)
+    slot_stride, page_rows, head_rows, head_cols = ws._row_map(k, strides, heads, d)
+    desc, rows = ws._descriptor(k, slot_stride, ps, d)
     assert desc.block_shape == [ps, d] and desc.strides == [slot_stride, 1]
     for p in range(pages):
         for s in range(ps):
@@ -72,6 +73,6 @@ def test_tma_view_addresses_every_key(layout):
 
 def test_tma_view_declines_what_it_cannot_address():
     k = torch.zeros(4, 16, 4, 128, dtype=torch.bfloat16)
-    assert ws._row_map(k, (k.stride(0), k.stride(1), 100), 4) is None  # heads overlap within a slot row
-    assert ws._row_map(k, (1000, k.stride(1), k.stride(2)), 4) is None  # pages not a whole number of rows
-    assert ws._row_map(k.transpose(2, 3), (k.stride(0), k.stride(1), k.stride(2)), 4) is None  # d not contiguous
+    assert ws._row_map(k, (k.stride(0), k.stride(1), 100), 4, 128) is None  # heads overlap within a slot row
+    assert ws._row_map(k, (1000, k.stride(1), k.stride(2)), 4, 128) is None  # pages not a whole number of rows
+    assert ws._row_map(k.transpose(2, 3), (k.stride(0), k.stride(1), k.stride(2)), 4, 128) is None  # d strided

@@ -33,26 +33,28 @@ def ws_calls(monkeypatch):
 
 
 CASES = [
-    # (name, qo_lens, kv_lens, hq, hkv, page_size, kv_layout, cache form, causal)
-    ("mixed-causal-gqa4", None, None, 32, 8, 16, "NHD", "interleaved", True),
-    ("mixed-noncausal-mha", None, None, 8, 8, 16, "NHD", "tuple", False),
-    ("hnd-gqa8-page32", None, None, 16, 2, 32, "HND", "interleaved", True),
-    ("page8-strided", None, None, 8, 2, 8, "NHD", "strided", True),
-    ("page256", [300, 0, 1000], [700, 5, 1000], 8, 2, 256, "NHD", "tuple", True),
-    ("page64-noncausal-tails", [1, 77, 130], [1, 190, 4000], 8, 1, 64, "HND", "tuple", False),
-    ("long-causal", [3000], [3000], 8, 2, 16, "NHD", "interleaved", True),
+    # (name, qo_lens, kv_lens, hq, hkv, page_size, kv_layout, cache form, causal, head_dim)
+    ("mixed-causal-gqa4", None, None, 32, 8, 16, "NHD", "interleaved", True, 128),
+    ("mixed-noncausal-mha", None, None, 8, 8, 16, "NHD", "tuple", False, 128),
+    ("hnd-gqa8-page32", None, None, 16, 2, 32, "HND", "interleaved", True, 128),
+    ("page8-strided", None, None, 8, 2, 8, "NHD", "strided", True, 128),
+    ("page256", [300, 0, 1000], [700, 5, 1000], 8, 2, 256, "NHD", "tuple", True, 128),
+    ("page64-noncausal-tails", [1, 77, 130], [1, 190, 4000], 8, 1, 64, "HND", "tuple", False, 128),
+    ("long-causal", [3000], [3000], 8, 2, 16, "NHD", "interleaved", True, 128),
+    ("d64-mixed-causal-gqa4", None, None, 16, 4, 16, "NHD", "interleaved", True, 64),
+    ("d64-hnd-noncausal", [129, 1, 500], [700, 33, 500], 8, 8, 32, "HND", "tuple", False, 64),
 ]
 
 
 def _batch(case, dtype):
-    name, qo_lens, kv_lens, hq, hkv, ps, layout, form, causal = case
+    name, qo_lens, kv_lens, hq, hkv, ps, layout, form, causal, head_dim = case
     gen = torch.Generator().manual_seed(zlib.crc32(f"ws{name}{dtype}".encode()))
     if qo_lens is None:
         qo_lens, kv_lens = random_lengths(gen, 9, 300, 1200, causal)
-    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128,
-                         page_size=ps, dtype=dtype, kv_layout=layout, tuple_cache=form == "tuple",
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=head_dim, page_size=ps, dtype=dtype, kv_layout=layout, tuple_cache=form == "tuple",
                          non_contiguous=form == "strided", device="cuda")
-    return b, hq, hkv, causal
+    return b, hq, hkv, causal, head_dim
 
 
 def _run(w, b, dtype):
@@ -69,10 +71,10 @@ def _run(w, b, dtype):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_paged_equals_prefill_kernel(case, dtype, gather, ws_calls, monkeypatch):
     monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
-    b, hq, hkv, causal = _batch(case, dtype)
+    b, hq, hkv, causal, head_dim = _batch(case, dtype)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
                                                        b.kv_layout)
-    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, 128, b.page_size, causal=causal,
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, b.page_size, causal=causal,
            q_data_type=dtype)
     out, lse = _run(w, b, dtype)
     assert ws_calls == [True], "the call did not take the warp-specialized kernel"

@@ -10,7 +10,7 @@ kernel writes the FA3 schedule out by hand:
   flight during this block's softmax, and P.V is waited for only when the block after needs the accumulator.
 
 It serves what most prefill calls are (anything else takes attention.prefill_kernel, see `serves`): 16-bit q
-and K/V of one dtype, head dim 128, no custom mask, window, soft cap, RoPE or tree; pages of 8+ keys (a power
+and K/V of one dtype, head dim 64 or 128, no custom mask, window, soft cap, RoPE or tree; pages of 8+ keys (a power
 of two) or ragged K/V. Per block its arithmetic is prefill_kernel's, op for op (same 128 x 128 blocks, the same
 wgmma accumulator layouts and row reductions, fp contraction off), so the two kernels agree bitwise and an fp8
 cache served by prefill_kernel stays bitwise equal to its dequantized run served here (API.md); a GPU test
@@ -40,7 +40,7 @@ from .common import LAUNCH_OPTIONS
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
-HEAD_DIM = gl.constexpr(128)
+HEAD_DIMS = (64, 128)  # served head dims (the kernels read theirs from the tiles' shapes)
 # K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
 STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
 CONSUMER_REGS = gl.constexpr(240)
@@ -97,6 +97,7 @@ def _block_rows(kv_indices, kv_base, kv_len, block, page_rows, head_row, PAGE_SI
 @gluon.jit
 def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
     """TMA of one key block (its copies' rows from _block_rows) into smem, completing on bar."""
+    HEAD_DIM: gl.constexpr = smem.shape[1]
     mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)  # one expect per phase: every copy is issued
     for i in gl.static_range(BLOCK_N // BOX):
         tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
@@ -148,6 +149,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
              GENERIC_COPIES: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
+    HEAD_DIM: gl.constexpr = q_smem.shape[1]
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -286,6 +288,7 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
                       V_SCALE_PTR: gl.constexpr):
     dtype: gl.constexpr = k_desc.dtype
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -322,6 +325,7 @@ def _gather(ptr, smem, bar, kv_indices, kv_base, kv_len, block, stride_p, stride
             PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
     """cp.async of key block `block` by the producer group's 128 threads (16 B each, 16 per thread), keys past
     kv_len zero-filled; each thread's copies arrive on bar when they land (init count: 128)."""
+    HEAD_DIM: gl.constexpr = smem.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
     n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
@@ -378,7 +382,7 @@ def prefill_ws_cp_kernel(Q, K, V, O, LSE,
                          GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
                          CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
                          V_SCALE_PTR: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CP_PRODUCER_REGS: gl.constexpr,
-                         CP_CONSUMER_REGS: gl.constexpr):
+                         CP_CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """prefill_ws_kernel with a producer warp group gathering by cp.async instead of a TMA warp (FlashInfer's
     fa3 choice for paged KV): any page size and stride, no whole-page over-fetch."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -420,8 +424,8 @@ def _capability(device: torch.device):
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(box: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([box, HEAD_DIM.value], gl.bfloat16 if dtype == torch.bfloat16
+def _smem_layout(box: int, head_dim: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
 
 
@@ -429,7 +433,7 @@ def _enabled() -> bool:
     return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
+def _row_map(t: torch.Tensor, strides, num_kv_heads: int, head_dim: int):
     """(slot stride, page rows, head rows, head cols) of K or V as rows of a [rows, slot stride] view, or None
     when the cache's strides do not allow that view (see the module docstring)."""
     page_stride, slot_stride, head_stride = strides
@@ -439,18 +443,18 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
         return None
     if head_stride % slot_stride == 0:
         head_rows, head_cols = head_stride // slot_stride, 0
-    elif head_stride * (num_kv_heads - 1) + HEAD_DIM.value <= slot_stride and head_stride % 8 == 0:
+    elif head_stride * (num_kv_heads - 1) + head_dim <= slot_stride and head_stride % 8 == 0:
         head_rows, head_cols = 0, head_stride
     else:
         return None
     return slot_stride, page_stride // slot_stride, head_rows, head_cols
 
 
-def _descriptor(t: torch.Tensor, slot_stride: int, box: int):
+def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     rows = -(-extent // slot_stride)  # host arithmetic: triton.cdiv is a jit function, slow to call here
-    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, HEAD_DIM.value],
-                            _smem_layout(box, t.dtype)), rows
+    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim],
+                            _smem_layout(box, head_dim, t.dtype)), rows
 
 
 def serves(q, k, v, plan, descales) -> bool:
@@ -462,7 +466,7 @@ def serves(q, k, v, plan, descales) -> bool:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if plan.head_dim != HEAD_DIM.value or plan.tiles.block_m != BLOCK_M.value or plan.tiles.block_n != BLOCK_N.value:
+    if plan.head_dim not in HEAD_DIMS or plan.tiles.block_m != BLOCK_M.value or plan.tiles.block_n != BLOCK_N.value:
         return False
     if plan.has_mask or plan.window_left >= 0 or plan.soft_cap > 0 or plan.rope or plan.tree_mask is not None:
         return False
@@ -477,7 +481,8 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    aligned = all(x % 16 == 0 for x in (*sk, *sv))  # what Triton specializes as divisible (16 B copies) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    # 16-byte copies need what Triton specializes as divisible by 16: strides and base addresses
+    aligned = all(x % 16 == 0 for x in (*sk, *sv)) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
     if os.environ.get("SERVEATTN_PREFILL_WS_GATHER", "tma") == "cp" and plan.paged and aligned:
         prefill_ws_cp_kernel[(grid0, plan.num_kv_heads)](
             q, k, v, out, lse_arg,
@@ -486,17 +491,18 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             *sk, *sv, qk_scale, v_scale, ks_ptr, vs_ptr,
             GROUP=plan.group, PAGE_SIZE=plan.page_size, PAGED=True, CAUSAL=plan.causal,
             RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PRODUCER_WARPS=4,
-            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
+            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, HEAD_DIM=plan.head_dim, num_warps=4, maxnreg=MAX_REGS,
+            **LAUNCH_OPTIONS)
         return True
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
         sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
-    k_map = _row_map(k, sk, plan.num_kv_heads)
-    v_map = _row_map(v, sv, plan.num_kv_heads)
+    k_map = _row_map(k, sk, plan.num_kv_heads, plan.head_dim)
+    v_map = _row_map(v, sv, plan.num_kv_heads, plan.head_dim)
     if k_map is None or v_map is None:
         return False
     box = min(plan.page_size, BLOCK_N.value) if plan.paged else BLOCK_N.value
-    k_desc, k_rows = _descriptor(k, k_map[0], box)
-    v_desc, v_rows = _descriptor(v, v_map[0], box)
+    k_desc, k_rows = _descriptor(k, k_map[0], box, plan.head_dim)
+    v_desc, v_rows = _descriptor(v, v_map[0], box, plan.head_dim)
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
     prefill_ws_kernel[(grid0, plan.num_kv_heads)](
