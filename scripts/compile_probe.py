@@ -97,7 +97,7 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, cp=None
     box = min(page_size, block_n) if paged else block_n
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
-                      K_SCALE_PTR=False, V_SCALE_PTR=False)
+                      K_SCALE_PTR=False, V_SCALE_PTR=False, PINGPONG=ws._pingpong())
     if cp:  # (producer warps, producer registers, consumer registers)
         del constexprs["BOX"]
         constexprs.update(PRODUCER_WARPS=cp[0], CP_PRODUCER_REGS=cp[1], CP_CONSUMER_REGS=cp[2], HEAD_DIM=head_dim)

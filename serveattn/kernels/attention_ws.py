@@ -141,13 +141,49 @@ def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
+def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale, p_layout: gl.constexpr,
+                   dtype: gl.constexpr, CAUSAL: gl.constexpr):
+    """Block j's logits folded into the running (m_i, l_i): returns P as P.V's A operand, the accumulator's
+    rescale factor, m_i, l_i. prefill_kernel's _attend, op for op."""
+    BN: gl.constexpr = s.shape[1]
+    x = s * qk_scale
+    n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    if j >= n_full:  # prefill_kernel's MASKED blocks
+        visible = (n < kv_len)[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (n[None, :] <= (delta + tok)[:, None])
+        x = gl.where(visible, x, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(x, 1))
+    # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(x - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, GENERIC_COPIES: gl.constexpr):
+    """Waits for V block j in stage st; zeroes its rows past kv_len (P is 0 there; 0 * NaN is not)."""
+    mbarrier.wait(v_ready.index(st), phase)
+    if GENERIC_COPIES:  # cp.async wrote the tile: order it before the tensor cores read it
+        fence_async_shared()
+    if (j + 1) * BLOCK_N > kv_len:
+        v_tile = v_smem.index(st).load(io_layout)
+        n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        v_smem.index(st).store(gl.where((n_io < kv_len)[:, None], v_tile, gl.zeros_like(v_tile)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
 def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-             GENERIC_COPIES: gl.constexpr):
+             GENERIC_COPIES: gl.constexpr, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[1]
     nw: gl.constexpr = gl.num_warps()
@@ -158,7 +194,6 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     dtype: gl.constexpr = q_smem.dtype
 
     kvh = gl.program_id(1)
@@ -167,6 +202,9 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         qk_scale = qk_scale * gl.load(k_scale_ptr)
     if V_SCALE_PTR:
         v_scale = v_scale * gl.load(v_scale_ptr)
+    if PINGPONG and CID == 1:  # the first consumer group issues first
+        mbarrier.arrive(turn.index(0), count=1)
+    turns = 0
     done = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
@@ -186,7 +224,49 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        if n_blocks > 0:
+        if PINGPONG and n_blocks > 0:
+            # FA3's order: S(j+1) and P.V(j) issued back to back while this group holds the turn (the other group
+            # is in its softmax), then this group's softmax of block j+1 while both run.
+            st = done % STAGES
+            mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
+            if GENERIC_COPIES:
+                fence_async_shared()
+            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
+                              s_layout), use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(st), count=1)
+            p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok, qk_scale,
+                                                   p_layout, dtype, CAUSAL)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            for j in range(n_blocks - 1):
+                g = done + j
+                st = g % STAGES
+                nst = (g + 1) % STAGES
+                mbarrier.wait(turn.index(CID), turns & 1)
+                mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
+                if GENERIC_COPIES:
+                    fence_async_shared()
+                s = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
+                                  gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, GENERIC_COPIES)
+                acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+                turns += 1
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j+1); P.V(j) may still run
+                mbarrier.arrive(k_empty.index(nst), count=1)
+                p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j + 1, n_full, kv_len, row_ok, delta, tok,
+                                                       qk_scale, p_layout, dtype, CAUSAL)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
+                mbarrier.arrive(v_empty.index(st), count=1)
+            g = done + n_blocks - 1
+            st = g % STAGES
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, GENERIC_COPIES)
+            acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
+            out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(st), count=1)
+        elif n_blocks > 0:
             acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
             st = done % STAGES
             mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
@@ -211,21 +291,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 else:
                     s_next = warpgroup_mma_init(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))
 
-                x = s * qk_scale
-                n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-                if j >= n_full:  # prefill_kernel's MASKED blocks
-                    visible = (n < kv_len)[None, :] & row_ok[:, None]
-                    if CAUSAL:
-                        visible = visible & (n[None, :] <= (delta + tok)[:, None])
-                    x = gl.where(visible, x, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(x, 1))
-                # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(x - m_safe[:, None])
-                alpha = gl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
+                                                       p_layout, dtype, CAUSAL)
 
                 if not more:  # no S(j+1) in flight: the wait below would not cover P.V(j-1)
                     warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -233,15 +300,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 if j > 0:
                     mbarrier.arrive(v_empty.index((g + STAGES - 1) % STAGES), count=1)  # V(j-1) read
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
-                if GENERIC_COPIES:
-                    fence_async_shared()
-                if (j + 1) * BLOCK_N > kv_len:  # keys past kv_len: zero their V rows (P is 0 there)
-                    v_tile = v_smem.index(st).load(io_layout)
-                    n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-                    v_smem.index(st).store(gl.where((n_io < kv_len)[:, None], v_tile, gl.zeros_like(v_tile)))
-                    fence_async_shared()
-                    gl.thread_barrier()
+                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, GENERIC_COPIES)
                 acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
                 s = s_next
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))[0]
@@ -270,12 +329,13 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-                    GENERIC_COPIES: gl.constexpr):
+                    GENERIC_COPIES: gl.constexpr, turn, PINGPONG: gl.constexpr):
     _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, BLOCK_M // 2,
-             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, GENERIC_COPIES)
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, GENERIC_COPIES, turn, 1,
+             PINGPONG)
 
 
 @gluon.jit
@@ -286,7 +346,7 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                       qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr):
+                      V_SCALE_PTR: gl.constexpr, PINGPONG: gl.constexpr):
     dtype: gl.constexpr = k_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
@@ -302,17 +362,22 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer group
         mbarrier.init(v_empty.index(i), count=2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose turn to issue
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     gl.warp_specialize([
         (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False)),
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False, turn, 0,
+                    PINGPONG)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False)),
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False, turn,
+                           PINGPONG)),
         (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
@@ -382,7 +447,7 @@ def prefill_ws_cp_kernel(Q, K, V, O, LSE,
                          GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
                          CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
                          V_SCALE_PTR: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CP_PRODUCER_REGS: gl.constexpr,
-                         CP_CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                         CP_CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr, PINGPONG: gl.constexpr):
     """prefill_ws_kernel with a producer warp group gathering by cp.async instead of a TMA warp (FlashInfer's
     fa3 choice for paged KV): any page size and stride, no whole-page over-fetch."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -400,17 +465,22 @@ def prefill_ws_cp_kernel(Q, K, V, O, LSE,
         mbarrier.init(v_ready.index(i), count=PRODUCER_WARPS * 32)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose turn to issue
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     gl.warp_specialize([
         (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True)),
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True, turn, 0,
+                    PINGPONG)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True)),
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True, turn,
+                           PINGPONG)),
         (_produce_cp, (K, V, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                        work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -427,6 +497,12 @@ def _capability(device: torch.device):
 def _smem_layout(box: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
+
+
+def _pingpong() -> bool:
+    """SERVEATTN_PREFILL_WS_PINGPONG=1 (measuring; not GPU-run yet): FA3's order, S(j+1) and P.V(j) issued back to
+    back under a turn the two consumer groups pass to each other."""
+    return os.environ.get("SERVEATTN_PREFILL_WS_PINGPONG", "0") == "1"
 
 
 def _enabled() -> bool:
@@ -491,7 +567,8 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             *sk, *sv, qk_scale, v_scale, ks_ptr, vs_ptr,
             GROUP=plan.group, PAGE_SIZE=plan.page_size, PAGED=True, CAUSAL=plan.causal,
             RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PRODUCER_WARPS=4,
-            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, HEAD_DIM=plan.head_dim, num_warps=4, maxnreg=MAX_REGS,
+            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, HEAD_DIM=plan.head_dim, PINGPONG=_pingpong(), num_warps=4,
+            maxnreg=MAX_REGS,
             **LAUNCH_OPTIONS)
         return True
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
@@ -513,6 +590,6 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
         qk_scale, v_scale, ks_ptr, vs_ptr,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
-        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PINGPONG=_pingpong(),
         num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
