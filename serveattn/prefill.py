@@ -115,6 +115,9 @@ class Plan:
     vt_work: Optional[torch.Tensor] = None
     kv_tok_indptr: Optional[torch.Tensor] = None
     vt_tokens: int = 0
+    # an fp8 cache gathered for the warp-specialized kernel (attention.launch): (page -> request, token indptr,
+    # the ragged view of this plan), made at the first run that takes that path
+    gathered: Optional[tuple] = None
 
     def static_signature(self):
         """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
@@ -471,7 +474,8 @@ class _PrefillWrapper:
                 self._graph_q_rows = plan.total_q
             grid0 = self._grid0(plan)
             if grid0:
-                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales)
+                attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales,
+                                        gather_ok=not self._use_cuda_graph)
         return (out, lse) if return_lse else out
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:

@@ -189,25 +189,31 @@ def test_scales_and_graph_replay(ws_calls, monkeypatch):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
-def test_fp8_cache_equals_dequantized_run_served_here(ws_calls):
-    """API.md's fp8 contract across the two kernels: the fp8 cache is served by prefill_kernel, its dequantized
-    copy by the warp-specialized kernel; the outputs are bitwise equal."""
-    dtype = torch.bfloat16
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_equals_dequantized_run(fp8, dtype, ws_calls, monkeypatch):
+    """API.md's fp8 contract on the warp-specialized kernel: an fp8 cache is widened into ragged rows
+    (kernels/gather.py) and takes the kernel; its dequantized copy takes it paged; prefill_kernel on the fp8 cache
+    (SERVEATTN_PREFILL_WS=0) gives the same bits too."""
     gen = torch.Generator().manual_seed(3)
-    b = make_paged_batch(gen, qo_lens=[600, 31], kv_lens=[900, 2000], num_qo_heads=16, num_kv_heads=4,
+    b = make_paged_batch(gen, qo_lens=[600, 31, 0], kv_lens=[900, 2000, 40], num_qo_heads=16, num_kv_heads=4,
                          head_dim=128, page_size=16, dtype=dtype, tuple_cache=True, device="cuda")
-    k8, v8 = (t.to(torch.float8_e4m3fn) for t in b.cache)
+    k8, v8 = (t.to(fp8) for t in b.cache)
     ws = torch.empty(1 << 24, dtype=torch.uint8, device="cuda")
     w8 = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
     w8.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 16, 4, 128, 16, causal=True, q_data_type=dtype,
-            kv_data_type=torch.float8_e4m3fn)
+            kv_data_type=fp8)
     o8, l8 = w8.run(b.q, (k8, v8), return_lse=True, k_scale=0.5, v_scale=3.0)
-    assert ws_calls == []
+    assert ws_calls == [True], "the fp8 cache did not take the warp-specialized kernel"
+    assert not torch.isnan(o8).any()
     wb = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
     wb.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 16, 4, 128, 16, causal=True, q_data_type=dtype)
     ob, lb = wb.run(b.q, (k8.to(dtype), v8.to(dtype)), return_lse=True, k_scale=0.5, v_scale=3.0)
-    assert ws_calls == [True]
+    assert ws_calls == [True, True]
     assert torch.equal(o8, ob) and torch.equal(l8, lb)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    ot, lt = w8.run(b.q, (k8, v8), return_lse=True, k_scale=0.5, v_scale=3.0)
+    assert torch.equal(o8, ot) and torch.equal(l8, lt)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")

@@ -8,16 +8,21 @@ softmax in base 2; blocks that no mask can touch take an unmasked path.
 The grid's first axis may be smaller than the work list (CUDA graphs fix the grid): programs then
 stride over the work items.
 """
+from dataclasses import replace
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from . import attention_ws
+from . import attention_ws, gather
 from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
-P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448)
+P_SCALE: tl.constexpr = tl.constexpr(256.0)
+# An fp8 cache is widened for the warp-specialized kernel only while the temporary stays this small (K and V).
+GATHER_MAX_BYTES = 256 << 20  # fp8 attention: P * 256 <= 256 fits e4m3 (448)
 
 
 @triton.jit
@@ -358,12 +363,50 @@ def scale_args(scale, placeholder):
     return (1.0 if scale is None else float(scale)), placeholder, False
 
 
-def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None):
+def _gathered_plan(plan):
+    """(page -> request, token indptr, ragged view of plan) for gather.gather_widen, made once per plan."""
+    if plan.gathered is None:
+        pages = np.diff(plan.kv_indptr_host.numpy())
+        page_req = torch.from_numpy(np.repeat(np.arange(pages.size, dtype=np.int32), pages))
+        tok = np.zeros(pages.size + 1, dtype=np.int32)
+        np.cumsum(plan.kv_lens_host.numpy(), out=tok[1:])
+        dev = plan.device
+        tok_indptr = torch.from_numpy(tok).to(dev)
+        ragged = replace(plan, paged=False, kv_indptr=tok_indptr, kv_indices=None, last_page_len=None, page_size=1)
+        plan.gathered = (page_req.to(dev), tok_indptr, ragged, int(tok[-1]))
+    return plan.gathered
+
+
+def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev) -> bool:
+    """An fp8 paged cache under a 16-bit query on the warp-specialized kernel: the batch's pages are widened into
+    temporary ragged rows first (at most GATHER_MAX_BYTES; not under CUDA graphs, whose memory is fixed at
+    capture). False (nothing launched) where that does not apply; the call then takes prefill_kernel, which
+    gives the same bits."""
+    if not (plan.paged and q.is_cuda and k.dtype.itemsize == 1 and v.dtype == k.dtype and q.dtype.itemsize == 2):
+        return False
+    page_req, tok_indptr, ragged, tokens = _gathered_plan(plan)
+    if not attention_ws.serves(q, q, q, ragged, None):  # the gathered rows will have q's dtype
+        return False
+    shape = (tokens, plan.num_kv_heads, plan.head_dim)
+    if tokens == 0 or 2 * tokens * plan.num_kv_heads * plan.head_dim * q.element_size() > GATHER_MAX_BYTES:
+        return False
+    ko = torch.empty(shape, dtype=q.dtype, device=q.device)
+    vo = torch.empty(shape, dtype=q.dtype, device=q.device)
+    gather.gather_widen(k, v, ko, vo, page_req, plan.kv_indptr, plan.kv_indices, plan.last_page_len, tok_indptr,
+                        sk, sv, plan.page_size, plan.head_dim, int(page_req.numel()), plan.num_kv_heads)
+    so = kv_strides(ko, "NHD", False)
+    return attention_ws.launch(q, ko, vo, out, lse, ragged, so, so, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
+                               vs_dev)
+
+
+def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
+           gather_ok: bool = False):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
 
     k_scale folds into the logit scale and v_scale into the output, inside the kernel; each is a float or
     a one-element float32 device tensor (read by the kernel). descales: (scale_q, scale_k, scale_v) float32
-    device tensors of one element or one per head, for an fp8 query over an fp8 cache."""
+    device tensors of one element or one per head, for an fp8 query over an fp8 cache. gather_ok: an fp8 cache
+    may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs)."""
     ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
     vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
     fp8 = descales is not None
@@ -376,6 +419,9 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     qk_scale = plan.sm_scale * ks * LOG2E
     if attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
+        return
+    if gather_ok and descales is None and _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs,
+                                                           ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
     vt, vt_tokens = plan.work, 0
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request

@@ -25,6 +25,10 @@ partial page, pages never fetched): their logits are masked, and before P.V the 
 SERVEATTN_PREFILL_WS_GATHER=cp (branch next/ws-cpasync-producer, not GPU-run yet): paged K/V gathered by a
 producer warp group with cp.async (`prefill_ws_cp_kernel`) instead of the TMA warp, to test whether the 16 small
 TMA messages a block of 16-key pages needs are what keeps paged 17-28% behind ragged.
+
+An fp8 cache under a 16-bit query reaches this kernel through attention._launch_gathered (branch
+next/kv8-gather-ws, not GPU-run yet): its pages are widened into temporary ragged rows (kernels/gather.py), exactly,
+and the ragged kernel runs on them.
 """
 import functools
 import os
