@@ -173,9 +173,10 @@ step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct
 step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per gather
   {
     timeout 200 python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/test_prefill_ws_gpu.py 2>&1 | tail -3
-    # kv8: an fp8 cache widened for the kernel (attention._launch_gathered)
-    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_WS_GATHER=cp \
-               SERVEATTN_PREFILL_WS_PINGPONG=1 "SERVEATTN_PREFILL_WS_GATHER=cp SERVEATTN_PREFILL_WS_PINGPONG=1"; do
+    # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
+    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_GATHER=0 \
+               "SERVEATTN_PREFILL_GATHER=0 SERVEATTN_PREFILL_WS_GATHER=cp" SERVEATTN_PREFILL_WS_PINGPONG=1 \
+               "SERVEATTN_PREFILL_GATHER=0 SERVEATTN_PREFILL_WS_GATHER=cp SERVEATTN_PREFILL_WS_PINGPONG=1"; do
       # shellcheck disable=SC2086  # one or two assignments per entry
       env $env timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds bf16,kv8
     done

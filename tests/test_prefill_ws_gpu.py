@@ -70,6 +70,7 @@ def _run(w, b, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_paged_equals_prefill_kernel(case, dtype, gather, ws_calls, monkeypatch):
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")  # the paged kernels themselves (the copy has its own test)
     monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
     b, hq, hkv, causal, head_dim = _batch(case, dtype)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
@@ -217,9 +218,10 @@ def test_fp8_cache_equals_dequantized_run(fp8, dtype, ws_calls, monkeypatch):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
-def test_layout_without_a_tma_view_falls_back(ws_calls):
+def test_layout_without_a_tma_view_falls_back(ws_calls, monkeypatch):
     """A cache whose head stride (130 elements, not a multiple of 16 bytes) has no [rows, slot stride] TMA view:
     the call takes prefill_kernel (launch returns False) and is still right."""
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(13)
     qo_lens, kv_lens = [200, 77], [500, 300]
@@ -245,6 +247,7 @@ def test_layout_without_a_tma_view_falls_back(ws_calls):
 def test_pingpong_equals_prefill_kernel(case, gather, ws_calls, monkeypatch):
     """SERVEATTN_PREFILL_WS_PINGPONG=1 reorders the issue (FA3's order, a turn between the consumer groups), not
     the arithmetic: still bitwise prefill_kernel's result."""
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
     monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
     monkeypatch.setenv("SERVEATTN_PREFILL_WS_PINGPONG", "1")
     dtype = torch.bfloat16
@@ -260,4 +263,30 @@ def test_pingpong_equals_prefill_kernel(case, gather, ws_calls, monkeypatch):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
     out_t, lse_t = _run(w, b, dtype)
+
+
+def test_gathered_16bit_cache_is_the_paged_run(monkeypatch):
+    """A long bf16 prefill copies its pages into ragged rows when that pays (attention._launch_gathered); the
+    result is bitwise the paged kernel's (SERVEATTN_PREFILL_GATHER=0) and prefill_kernel's."""
+    from serveattn.kernels import attention
+    b, hq, hkv, causal, head_dim = _batch(CASES[6], torch.bfloat16)  # one request of 3000 tokens
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, 16, causal=True,
+           q_data_type=torch.bfloat16)
+    gathered = []
+    real = attention._launch_gathered
+
+    def spy(*args, **kwargs):
+        ran = real(*args, **kwargs)
+        gathered.append(ran)
+        return ran
+    monkeypatch.setattr(attention, "_launch_gathered", spy)
+    out, lse = _run(w, b, torch.bfloat16)
+    assert gathered == [True], "3000 causal tokens at GQA 4 should pay for the copy"
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
+    out_p, lse_p = _run(w, b, torch.bfloat16)
+    assert gathered == [True, False]
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    out_t, lse_t = _run(w, b, torch.bfloat16)
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)

@@ -8,6 +8,7 @@ softmax in base 2; blocks that no mask can touch take an unmasked path.
 The grid's first axis may be smaller than the work list (CUDA graphs fix the grid): programs then
 stride over the work items.
 """
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -21,8 +22,13 @@ from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype,
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
 P_SCALE: tl.constexpr = tl.constexpr(256.0)
-# An fp8 cache is widened for the warp-specialized kernel only while the temporary stays this small (K and V).
-GATHER_MAX_BYTES = 256 << 20  # fp8 attention: P * 256 <= 256 fits e4m3 (448)
+# A paged cache is copied into ragged rows for the warp-specialized kernel only while the temporary (K and V)
+# stays this small. A 16-bit cache only when the copy (COPY_BYTES_PER_S) costs less than GATHER_GAIN of the
+# attention (MATRIX_FLOPS): on the H200 the ragged kernel ran 1.19-1.39x the paged one (session 8).
+GATHER_MAX_BYTES = 256 << 20
+GATHER_GAIN = 0.15
+MATRIX_FLOPS = 450e12
+COPY_BYTES_PER_S = 3.0e12  # fp8 attention: P * 256 <= 256 fits e4m3 (448)
 
 
 @triton.jit
@@ -364,27 +370,44 @@ def scale_args(scale, placeholder):
 
 
 def _gathered_plan(plan):
-    """(page -> request, token indptr, ragged view of plan) for gather.gather_widen, made once per plan."""
+    """(page -> request, token indptr, ragged view of plan, tokens, pays) for gather.gather_widen, made once per
+    plan. pays: whether gathering a 16-bit cache is worth it (see _launch_gathered)."""
     if plan.gathered is None:
         pages = np.diff(plan.kv_indptr_host.numpy())
         page_req = torch.from_numpy(np.repeat(np.arange(pages.size, dtype=np.int32), pages))
+        kv = plan.kv_lens_host.numpy()
         tok = np.zeros(pages.size + 1, dtype=np.int32)
-        np.cumsum(plan.kv_lens_host.numpy(), out=tok[1:])
+        np.cumsum(kv, out=tok[1:])
         dev = plan.device
         tok_indptr = torch.from_numpy(tok).to(dev)
         ragged = replace(plan, paged=False, kv_indptr=tok_indptr, kv_indices=None, last_page_len=None, page_size=1)
-        plan.gathered = (page_req.to(dev), tok_indptr, ragged, int(tok[-1]))
+        # attention reads each key once per query tile: (query rows x keys) per gathered key, the copy's cost
+        # (a read and a write of each key) against GATHER_GAIN of the attention's
+        qo = np.diff(plan.qo_indptr_host.numpy())
+        pairs = float(np.dot(qo.astype(np.float64), kv)) * (0.5 if plan.causal else 1.0)
+        flops = 4.0 * pairs * plan.num_qo_heads * plan.head_dim
+        copy_bytes = 2.0 * 2 * int(tok[-1]) * plan.num_kv_heads * plan.head_dim * 2
+        pays = GATHER_GAIN * flops / MATRIX_FLOPS > copy_bytes / COPY_BYTES_PER_S
+        plan.gathered = (page_req.to(dev), tok_indptr, ragged, int(tok[-1]), pays)
     return plan.gathered
 
 
 def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev) -> bool:
-    """An fp8 paged cache under a 16-bit query on the warp-specialized kernel: the batch's pages are widened into
-    temporary ragged rows first (at most GATHER_MAX_BYTES; not under CUDA graphs, whose memory is fixed at
-    capture). False (nothing launched) where that does not apply; the call then takes prefill_kernel, which
+    """A paged cache on the warp-specialized kernel's ragged path: the batch's pages are copied (an fp8 cache
+    widened, exactly) into temporary ragged rows in q's dtype first, at most GATHER_MAX_BYTES, never under CUDA
+    graphs (their memory is fixed at capture). An fp8 cache under a 16-bit query has no other way onto that
+    kernel; a 16-bit cache goes this way when the copy costs less than what ragged gains over paged
+    (SERVEATTN_PREFILL_GATHER=0 turns that off). False (nothing launched) where this does not apply; every path
     gives the same bits."""
-    if not (plan.paged and q.is_cuda and k.dtype.itemsize == 1 and v.dtype == k.dtype and q.dtype.itemsize == 2):
+    if not (plan.paged and q.is_cuda and v.dtype == k.dtype and q.dtype.itemsize == 2):
         return False
-    page_req, tok_indptr, ragged, tokens = _gathered_plan(plan)
+    if k.dtype.itemsize == 2 and (k.dtype != q.dtype or os.environ.get("SERVEATTN_PREFILL_GATHER", "1") != "1"):
+        return False
+    if k.dtype.itemsize not in (1, 2):
+        return False
+    page_req, tok_indptr, ragged, tokens, pays = _gathered_plan(plan)
+    if k.dtype.itemsize == 2 and not pays:
+        return False
     if not attention_ws.serves(q, q, q, ragged, None):  # the gathered rows will have q's dtype
         return False
     shape = (tokens, plan.num_kv_heads, plan.head_dim)
@@ -417,11 +440,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles
     qk_scale = plan.sm_scale * ks * LOG2E
-    if attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
-            q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
-        return
     if gather_ok and descales is None and _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs,
                                                            ks_ptr, vs_ptr, ks_dev, vs_dev):
+        return
+    if attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
+            q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
     vt, vt_tokens = plan.work, 0
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
