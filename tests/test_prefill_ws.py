@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from serveattn.kernels import attention_ws as ws
@@ -30,3 +31,41 @@ def test_compiles_for_sm90_with_the_designed_schedule(tmp_path):
 def test_not_served_off_the_gpu():
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     assert ws.serves(q, q, q, plan=None, descales=None) is False
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "interleaved-NHD", "interleaved-HND", "strided"])
+def test_tma_view_addresses_every_key(layout):
+    """The producer's 2-D view: row page * page_rows + head_rows * h + slot, column head_cols * h is the element
+    offset of (page, slot, head) for every cache form the wrappers accept (host arithmetic, no GPU needed)."""
+    pages, ps, heads, d = 6, 16, 4, 128
+    if layout == "NHD":
+        k = torch.zeros(pages, ps, heads, d, dtype=torch.bfloat16)
+        strides = (k.stride(0), k.stride(1), k.stride(2))
+    elif layout == "HND":
+        k = torch.zeros(pages, heads, ps, d, dtype=torch.bfloat16)
+        strides = (k.stride(0), k.stride(2), k.stride(1))
+    elif layout == "interleaved-NHD":
+        k = torch.zeros(pages, 2, ps, heads, d, dtype=torch.bfloat16)[:, 1]
+        strides = (k.stride(0), k.stride(1), k.stride(2))
+    elif layout == "interleaved-HND":
+        k = torch.zeros(pages, 2, heads, ps, d, dtype=torch.bfloat16)[:, 0]
+        strides = (k.stride(0), k.stride(2), k.stride(1))
+    else:
+        k = torch.zeros(pages, 3, ps, heads, d, dtype=torch.bfloat16)[:, 1:][:, 0]
+        strides = (k.stride(0), k.stride(1), k.stride(2))
+    slot_stride, page_rows, head_rows, head_cols = ws._row_map(k, strides, heads)
+    desc, rows = ws._descriptor(k, slot_stride, ps)
+    assert desc.block_shape == [ps, d] and desc.strides == [slot_stride, 1]
+    for p in range(pages):
+        for s in range(ps):
+            for h in range(heads):
+                row, col = p * page_rows + head_rows * h + s, head_cols * h
+                assert row < rows and col + d <= slot_stride
+                assert row * slot_stride + col == p * strides[0] + s * strides[1] + h * strides[2]
+
+
+def test_tma_view_declines_what_it_cannot_address():
+    k = torch.zeros(4, 16, 4, 128, dtype=torch.bfloat16)
+    assert ws._row_map(k, (k.stride(0), k.stride(1), 100), 4) is None  # heads overlap within a slot row
+    assert ws._row_map(k, (1000, k.stride(1), k.stride(2)), 4) is None  # pages not a whole number of rows
+    assert ws._row_map(k.transpose(2, 3), (k.stride(0), k.stride(1), k.stride(2)), 4) is None  # d not contiguous

@@ -204,3 +204,26 @@ def test_fp8_cache_equals_dequantized_run_served_here(ws_calls):
     ob, lb = wb.run(b.q, (k8.to(dtype), v8.to(dtype)), return_lse=True, k_scale=0.5, v_scale=3.0)
     assert ws_calls == [True]
     assert torch.equal(o8, ob) and torch.equal(l8, lb)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_layout_without_a_tma_view_falls_back(ws_calls):
+    """A cache whose head stride (130 elements, not a multiple of 16 bytes) has no [rows, slot stride] TMA view:
+    the call takes prefill_kernel (launch returns False) and is still right."""
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(13)
+    qo_lens, kv_lens = [200, 77], [500, 300]
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                         page_size=16, dtype=dtype, tuple_cache=True, device="cuda")
+    k = torch.zeros(*b.cache[0].shape[:3], 130, dtype=dtype, device="cuda")[..., :128]
+    v = torch.zeros(*b.cache[0].shape[:3], 130, dtype=dtype, device="cuda")[..., :128]
+    k.copy_(b.cache[0])
+    v.copy_(b.cache[1])
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, causal=True, q_data_type=dtype)
+    out, lse = w.run(b.q, (k, v), return_lse=True)
+    assert ws_calls == [False]
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)

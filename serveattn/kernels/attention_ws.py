@@ -312,15 +312,15 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
     when the cache's strides do not allow that view (see the module docstring)."""
     page_stride, slot_stride, head_stride = strides
     if t.stride(-1) != 1 or slot_stride <= 0 or slot_stride % 8 or t.data_ptr() % 16:
-        return False
+        return None
     if page_stride % slot_stride:
-        return False
+        return None
     if head_stride % slot_stride == 0:
         head_rows, head_cols = head_stride // slot_stride, 0
     elif head_stride * (num_kv_heads - 1) + HEAD_DIM.value <= slot_stride and head_stride % 8 == 0:
         head_rows, head_cols = 0, head_stride
     else:
-        return False
+        return None
     return slot_stride, page_stride // slot_stride, head_rows, head_cols
 
 
