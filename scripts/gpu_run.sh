@@ -15,6 +15,7 @@
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
+#   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then prefill_kernel / TMA / cp.async gathers
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -43,8 +44,8 @@ for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon" >&2; exit 2 ;;
+    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws" >&2; exit 2 ;;
   esac
 done
 
@@ -169,6 +170,16 @@ step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per gather
+  {
+    timeout 200 python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/test_prefill_ws_gpu.py 2>&1 | tail -3
+    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_WS_GATHER=cp; do
+      env "$env" timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds bf16
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -201,6 +212,7 @@ for s in "${STEPS[@]}"; do
     probe-chain-tiles) step_probe_chain_tiles ;;
     probe-fusion) step_probe_fusion ;;
     probe-gluon) step_probe_gluon ;;
+    probe-prefill-ws) step_probe_prefill_ws ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
