@@ -405,10 +405,10 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
         return False
     if k.dtype.itemsize not in (1, 2):
         return False
+    if not attention_ws.serves(q, k, v, plan, None, as_ragged=True):  # before any host work for the copy
+        return False
     page_req, tok_indptr, ragged, tokens, pays = _gathered_plan(plan)
     if k.dtype.itemsize == 2 and not pays:
-        return False
-    if not attention_ws.serves(q, q, q, ragged, None):  # the gathered rows will have q's dtype
         return False
     shape = (tokens, plan.num_kv_heads, plan.head_dim)
     if tokens == 0 or 2 * tokens * plan.num_kv_heads * plan.head_dim * q.element_size() > GATHER_MAX_BYTES:

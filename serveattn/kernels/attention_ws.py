@@ -537,9 +537,12 @@ def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
                             _smem_layout(box, head_dim, t.dtype)), rows
 
 
-def serves(q, k, v, plan, descales) -> bool:
+def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
     """Whether this call's kind is the warp-specialized kernel's (launch() still checks the cache's strides);
-    otherwise the call takes prefill_kernel, which gives the same bits."""
+    otherwise the call takes prefill_kernel, which gives the same bits. as_ragged: for the plan's keys copied
+    into ragged rows of q's dtype (attention._launch_gathered), whatever the cache's dtype and page size."""
+    if as_ragged:
+        k = v = q
     if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
         return False
     if _capability(q.device) != (9, 0):
@@ -551,7 +554,7 @@ def serves(q, k, v, plan, descales) -> bool:
     if plan.has_mask or plan.window_left >= 0 or plan.soft_cap > 0 or plan.rope or plan.tree_mask is not None:
         return False
     ps = plan.page_size
-    if plan.paged and (ps < 8 or ps & (ps - 1)):
+    if plan.paged and not as_ragged and (ps < 8 or ps & (ps - 1)):
         return False
     return True
 
