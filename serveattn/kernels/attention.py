@@ -16,7 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import attention_ws, gather
+try:  # Gluon's Hopper API as Triton 3.6 has it; older Tritons get prefill_kernel for everything
+    from . import attention_ws
+except (ImportError, AttributeError):
+    attention_ws = None
+from . import gather
 from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
 
 LOG2E = 1.4426950408889634
@@ -440,10 +444,10 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles
     qk_scale = plan.sm_scale * ks * LOG2E
-    if gather_ok and descales is None and _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs,
-                                                           ks_ptr, vs_ptr, ks_dev, vs_dev):
+    if attention_ws is not None and gather_ok and descales is None and _launch_gathered(
+            q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
-    if attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
+    if attention_ws is not None and attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
     vt, vt_tokens = plan.work, 0
