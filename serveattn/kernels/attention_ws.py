@@ -23,14 +23,15 @@ partial page, pages never fetched): their logits are masked, and before P.V the 
 (0 * NaN would poison the output).
 """
 import os
+
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from .common import LAUNCH_OPTIONS
+from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
@@ -327,7 +328,7 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int):
 def _descriptor(t: torch.Tensor, slot_stride: int, box: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    rows = triton.cdiv(extent, slot_stride)
+    rows = cdiv(extent, slot_stride)  # host integers: triton.cdiv is a jit function, microseconds a call
     layout = gl.NVMMASharedLayout.get_default_for([box, HEAD_DIM.value], gl.bfloat16 if t.dtype == torch.bfloat16
                                                   else gl.float16)
     return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, HEAD_DIM.value], layout), rows
