@@ -163,45 +163,49 @@ def compile_probe(block_m: int, block_n: int, head_dim: int, page_size: int, num
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
-def run_on_gpu(a):
-    """On a GPU: the probe kernel against a float32 torch reference on a shuffled page table, then its time next
-    to serveattn's paged prefill and cuDNN SDPA on the same non-causal MHA problem (do_bench medians)."""
+def paged_problem(seq: int, heads: int, head_dim: int, page_size: int = 16):
+    """A non-causal MHA problem on a shuffled page table (CUDA): q, k_cache, v_cache, table, scale."""
+    import torch
+    torch.manual_seed(0)
+    pages = seq // page_size
+    k_cache = torch.randn(pages, page_size, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(pages, device="cuda").to(torch.int32)
+    q = torch.randn(seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    return q, k_cache, v_cache, table, head_dim ** -0.5
+
+
+def check_and_time(label: str, call, problem, only: bool = False, repeat: bool = False):
+    """call(out) runs a probe kernel into out. Checks it against a float32 torch reference (every element
+    written, relative error; repeat: a second run bitwise equal), then times it next to serveattn's paged
+    prefill and cuDNN SDPA on the same problem (only: the probe alone; do_bench medians)."""
     import torch
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import serveattn
 
-    torch.manual_seed(0)
-    seq, heads, hd, ps = a.seq, a.heads, a.head_dim, 16
-    pages = seq // ps
-    k_cache = torch.randn(pages, ps, heads, hd, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(pages, device="cuda").to(torch.int32)
-    q = torch.randn(seq, heads, hd, device="cuda", dtype=torch.bfloat16)
+    q, k_cache, v_cache, table, scale = problem
+    seq, heads, hd = q.shape
+    ps = k_cache.shape[1]
     out = torch.full_like(q, float("nan"))
-    scale = hd ** -0.5
-
-    def gluon_call():
-        paged_attention_fwd[(seq // a.block_m, heads)](
-            q, k_cache, v_cache, out, table, seq // a.block_n, scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            out.stride(0), out.stride(1),
-            BLOCK_M=a.block_m, BLOCK_N=a.block_n, HEAD_DIM=hd, PAGE_SIZE=ps, num_warps=a.warps)
-
-    gluon_call()
+    call(out)
     torch.cuda.synchronize()
     k = k_cache[table.long()].reshape(seq, heads, hd).transpose(0, 1).float()
     v = v_cache[table.long()].reshape(seq, heads, hd).transpose(0, 1).float()
-    ref = torch.softmax(q.transpose(0, 1).float() @ k.transpose(1, 2) * scale, -1) @ v
-    ref = ref.transpose(0, 1)
+    ref = (torch.softmax(q.transpose(0, 1).float() @ k.transpose(1, 2) * scale, -1) @ v).transpose(0, 1)
     err = ((out.float() - ref).norm() / ref.norm()).item()
-    print(f"gluon probe: every element written {not torch.isnan(out).any().item()}, relative error {err:.2e}")
+    print(f"{label}: every element written {not torch.isnan(out).any().item()}, relative error {err:.2e}")
+    if repeat:
+        again = torch.full_like(q, float("nan"))
+        call(again)
+        torch.cuda.synchronize()
+        print(f"{label}: second run bitwise equal {torch.equal(again, out)}")
 
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="triton")
     i32 = dict(dtype=torch.int32, device="cpu")
-    w.plan(torch.tensor([0, seq], **i32), torch.tensor([0, pages], **i32), table.cpu(), torch.tensor([ps], **i32),
+    w.plan(torch.tensor([0, seq], **i32), torch.tensor([0, seq // ps], **i32), table.cpu(), torch.tensor([ps], **i32),
            heads, heads, hd, ps, causal=False, q_data_type=torch.bfloat16)
     qb, kb, vb = q.transpose(0, 1)[None], k.to(torch.bfloat16)[None], v.to(torch.bfloat16)[None]
 
@@ -210,10 +214,29 @@ def run_on_gpu(a):
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
 
     flops = 4 * seq * seq * heads * hd
-    for name, fn in (("gluon probe", gluon_call), ("serveattn paged prefill", lambda: w.run(q, (k_cache, v_cache))),
-                     ("cuDNN SDPA (contiguous)", cudnn)):
+    peers = [(label, lambda: call(out))]
+    if not only:
+        peers += [("serveattn paged prefill", lambda: w.run(q, (k_cache, v_cache))), ("cuDNN SDPA (contiguous)", cudnn)]
+    for name, fn in peers:
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         print(f"{name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+
+
+def run_on_gpu(a):
+    """On a GPU: the probe kernel checked and timed (check_and_time) on a non-causal MHA problem."""
+    problem = paged_problem(a.seq, a.heads, a.head_dim)
+    q, k_cache, v_cache, table, scale = problem
+    seq, heads, hd = q.shape
+    ps = k_cache.shape[1]
+
+    def gluon_call(out):
+        paged_attention_fwd[(seq // a.block_m, heads)](
+            q, k_cache, v_cache, out, table, seq // a.block_n, scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(0), out.stride(1),
+            BLOCK_M=a.block_m, BLOCK_N=a.block_n, HEAD_DIM=hd, PAGE_SIZE=ps, num_warps=a.warps)
+
+    check_and_time("gluon probe", gluon_call, problem)
 
 
 def main():

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from compile_probe import disassemble  # noqa: E402
+from gluon_attention_probe import check_and_time, paged_problem  # noqa: E402
 
 
 @gluon.jit
@@ -220,66 +221,25 @@ def compile_probe(a):
 
 
 def run_on_gpu(a):
-    """On a GPU: the kernel against a float32 torch reference on a shuffled page table, then its time next to
-    serveattn's paged prefill and cuDNN SDPA on the same non-causal MHA problem (do_bench medians)."""
-    import torch
-    import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """On a GPU: the kernel checked (and run twice: bitwise) and timed next to serveattn's paged prefill and cuDNN
+    SDPA (gluon_attention_probe.check_and_time) on a non-causal MHA problem."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    import serveattn
-
-    torch.manual_seed(0)
-    seq, heads, hd, ps = a.seq, a.heads, a.head_dim, 16
-    pages = seq // ps
-    k_cache = torch.randn(pages, ps, heads, hd, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(pages, device="cuda").to(torch.int32)
-    q = torch.randn(seq, heads, hd, device="cuda", dtype=torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    scale = hd ** -0.5
+    problem = paged_problem(a.seq, a.heads, a.head_dim)
+    q, k_cache, v_cache, table, scale = problem
+    seq, heads, hd = q.shape
+    pages, ps = k_cache.shape[:2]
     rows, q_layout, kv_layout = _layouts(a)
     q_desc = TensorDescriptor.from_tensor(q.view(seq, heads * hd), [rows, hd], q_layout)
     k_desc = TensorDescriptor.from_tensor(k_cache.view(pages * ps, heads * hd), [16, hd], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v_cache.view(pages * ps, heads * hd), [16, hd], kv_layout)
 
-    def gluon_call():
+    def gluon_call(out):
         ws_attention_fwd[(seq // 128, heads)](
             q_desc, k_desc, v_desc, out, table, seq // a.block_n, scale * 1.4426950408889634,
             out.stride(0), out.stride(1), **_constexprs(a), num_warps=_warps(a), maxnreg=a.maxnreg)
 
-    gluon_call()
-    torch.cuda.synchronize()
-    k = k_cache[table.long()].reshape(seq, heads, hd).transpose(0, 1).float()
-    v = v_cache[table.long()].reshape(seq, heads, hd).transpose(0, 1).float()
-    ref = torch.softmax(q.transpose(0, 1).float() @ k.transpose(1, 2) * scale, -1) @ v
-    ref = ref.transpose(0, 1)
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    print(f"ws probe: every element written {not torch.isnan(out).any().item()}, relative error {err:.2e}")
-    out2 = torch.full_like(q, float("nan"))
-    out, saved = out2, out
-    gluon_call()
-    torch.cuda.synchronize()
-    print(f"ws probe: second run bitwise equal {torch.equal(out2, saved)}")
-
-    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="triton")
-    i32 = dict(dtype=torch.int32, device="cpu")
-    w.plan(torch.tensor([0, seq], **i32), torch.tensor([0, pages], **i32), table.cpu(), torch.tensor([ps], **i32),
-           heads, heads, hd, ps, causal=False, q_data_type=torch.bfloat16)
-    qb, kb, vb = q.transpose(0, 1)[None], k.to(torch.bfloat16)[None], v.to(torch.bfloat16)[None]
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
-
-    flops = 4 * seq * seq * heads * hd
-    peers = (("ws probe", gluon_call),) if a.only else (
-        ("ws probe", gluon_call), ("serveattn paged prefill", lambda: w.run(q, (k_cache, v_cache))),
-        ("cuDNN SDPA (contiguous)", cudnn))
-    for name, fn in peers:
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        print(f"{name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+    check_and_time("ws probe", gluon_call, problem, only=a.only, repeat=True)
 
 
 def main():

@@ -22,16 +22,17 @@ interleaved [pages, 2, ...] cache alike. The last block of a request may hold ke
 partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
 (0 * NaN would poison the output).
 
-SERVEATTN_PREFILL_WS_GATHER=cp (branch next/ws-cpasync-producer, not GPU-run yet): paged K/V gathered by a
+SERVEATTN_PREFILL_WS_GATHER=cp (not GPU-run yet): paged K/V gathered by a
 producer warp group with cp.async (`prefill_ws_cp_kernel`) instead of the TMA warp, to test whether the 16 small
 TMA messages a block of 16-key pages needs are what keeps paged 17-28% behind ragged.
 
-An fp8 cache under a 16-bit query reaches this kernel through attention._launch_gathered (branch
-next/kv8-gather-ws, not GPU-run yet): its pages are widened into temporary ragged rows (kernels/gather.py), exactly,
+An fp8 cache under a 16-bit query reaches this kernel through attention._launch_gathered (not GPU-run
+yet): its pages are widened into temporary ragged rows (kernels/gather.py), exactly,
 and the ragged kernel runs on them.
 """
 import functools
 import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -41,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
 from .common import LAUNCH_OPTIONS
+from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
@@ -532,7 +534,7 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int, head_dim: int):
 
 def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    rows = -(-extent // slot_stride)  # host arithmetic: triton.cdiv is a jit function, slow to call here
+    rows = cdiv(extent, slot_stride)  # host integers: triton.cdiv is a jit function, microseconds a call
     return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim],
                             _smem_layout(box, head_dim, t.dtype)), rows
 
