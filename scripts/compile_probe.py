@@ -86,21 +86,18 @@ def _compile(kernel, constexprs, q, kv, out, warps, stages):
                           options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
 
 
-def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, cp=None, head_dim=128):
+def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_dim=128):
     """The warp-specialized Hopper prefill kernel (Gluon: a tensordesc signature, warps and registers fixed by
     the kernel module)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from serveattn.kernels import attention_ws as ws
-    kernel = ws.prefill_ws_cp_kernel if cp else ws.prefill_ws_kernel
+    kernel = ws.prefill_ws_kernel
     block_n = ws.BLOCK_N.value
     box = min(page_size, block_n) if paged else block_n
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
-                      K_SCALE_PTR=False, V_SCALE_PTR=False, PINGPONG=ws._pingpong())
-    if cp:  # (producer warps, producer registers, consumer registers)
-        del constexprs["BOX"]
-        constexprs.update(PRODUCER_WARPS=cp[0], CP_PRODUCER_REGS=cp[1], CP_CONSUMER_REGS=cp[2], HEAD_DIM=head_dim)
+                      K_SCALE_PTR=False, V_SCALE_PTR=False)
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -117,11 +114,7 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, cp=None
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    # what Triton's launcher specializes for 16-byte aligned pointers and strides divisible by 16 elements
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if name in ("K", "V") or (cp and name[:8] in ("stride_k", "stride_v"))}
-    src = GluonASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
-                         attrs=attrs)
+    src = GluonASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=ws.MAX_REGS, **LAUNCH_OPTIONS))
 
@@ -157,8 +150,7 @@ def disassemble(cubin: bytes) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=("prefill", "prefill-ws", "prefill-ws-cp", "decode"), default="prefill")
-    ap.add_argument("--cp", default="4,56,224", help="prefill-ws-cp: producer warps, producer regs, consumer regs")
+    ap.add_argument("--kernel", choices=("prefill", "prefill-ws", "decode"), default="prefill")
     ap.add_argument("--q", default="bf16")
     ap.add_argument("--kv", default="bf16")
     ap.add_argument("--out", default="bf16")
@@ -174,9 +166,8 @@ def main():
     ap.add_argument("--dump", help="folder to write ttgir/ptx/llir/sass into")
     a = ap.parse_args()
     bm, bn, w, s = map(int, (a.tiles or ("128,128,8,2" if a.kernel == "prefill" else "16,128,4,3")).split(","))
-    if a.kernel in ("prefill-ws", "prefill-ws-cp"):
-        cp = tuple(map(int, a.cp.split(","))) if a.kernel == "prefill-ws-cp" else None
-        ck = compile_prefill_ws(a.q, a.group, a.page_size, not a.ragged, True, cp=cp, head_dim=a.head_dim)
+    if a.kernel == "prefill-ws":
+        ck = compile_prefill_ws(a.q, a.group, a.page_size, not a.ragged, True, head_dim=a.head_dim)
     elif a.kernel == "prefill":
         ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
                              a.vt)

@@ -15,7 +15,7 @@
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
-#   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then prefill_kernel / TMA / cp.async gathers
+#   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then prefill_kernel / WS with and without the page copy
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -172,11 +172,9 @@ step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct
 
 step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per gather
   {
-    timeout 200 python3 -m pytest -q -x -n 4 -p no:cacheprovider tests/test_prefill_ws_gpu.py 2>&1 | tail -3
+    timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_prefill_ws_gpu.py 2>&1 | tail -25
     # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
-    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_GATHER=0 \
-               "SERVEATTN_PREFILL_GATHER=0 SERVEATTN_PREFILL_WS_GATHER=cp" SERVEATTN_PREFILL_WS_PINGPONG=1 \
-               "SERVEATTN_PREFILL_GATHER=0 SERVEATTN_PREFILL_WS_GATHER=cp SERVEATTN_PREFILL_WS_PINGPONG=1"; do
+    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_GATHER=0; do
       # shellcheck disable=SC2086  # one or two assignments per entry
       env $env timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds bf16,kv8
     done

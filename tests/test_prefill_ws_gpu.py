@@ -66,12 +66,10 @@ def _run(w, b, dtype):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("gather", ["tma", "cp"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_paged_equals_prefill_kernel(case, dtype, gather, ws_calls, monkeypatch):
+def test_paged_equals_prefill_kernel(case, dtype, ws_calls, monkeypatch):
     monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")  # the paged kernels themselves (the copy has its own test)
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
     b, hq, hkv, causal, head_dim = _batch(case, dtype)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
                                                        b.kv_layout)
@@ -242,29 +240,6 @@ def test_layout_without_a_tma_view_falls_back(ws_calls, monkeypatch):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
-@pytest.mark.parametrize("gather", ["tma", "cp"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7]], ids=[CASES[i][0] for i in (0, 5, 7)])
-def test_pingpong_equals_prefill_kernel(case, gather, ws_calls, monkeypatch):
-    """SERVEATTN_PREFILL_WS_PINGPONG=1 reorders the issue (FA3's order, a turn between the consumer groups), not
-    the arithmetic: still bitwise prefill_kernel's result."""
-    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS_GATHER", gather)
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS_PINGPONG", "1")
-    dtype = torch.bfloat16
-    b, hq, hkv, causal, head_dim = _batch(case, dtype)
-    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
-                                                       b.kv_layout)
-    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, b.page_size, causal=causal,
-           q_data_type=dtype)
-    out, lse = _run(w, b, dtype)
-    assert ws_calls == [True]
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    out2, lse2 = _run(w, b, dtype)
-    assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
-    out_t, lse_t = _run(w, b, dtype)
-
-
 def test_gathered_16bit_cache_is_the_paged_run(monkeypatch):
     """A long bf16 prefill copies its pages into ragged rows when that pays (attention._launch_gathered); the
     result is bitwise the paged kernel's (SERVEATTN_PREFILL_GATHER=0) and prefill_kernel's."""

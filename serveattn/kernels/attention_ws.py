@@ -5,9 +5,10 @@ on Hopper, so the Triton kernel (attention.py) leaves the tensor cores idle duri
 kernel writes the FA3 schedule out by hand:
 - a producer warp gathers K and V blocks page by page with TMA (one copy per page into a 2-stage ring,
   completion counted in bytes on an mbarrier) and waits for the consumers to free a stage;
-- two consumer warp groups take 64 of the work item's 128 (token, query head) rows each and run on their own,
-  so one group's softmax overlaps the other's matrix products; inside a group the next block's q.K^T is in
-  flight during this block's softmax, and P.V is waited for only when the block after needs the accumulator.
+- two consumer warp groups take 64 of the work item's 128 (token, query head) rows each and take turns at the
+  tensor cores (FA3's ping-pong): the group holding the turn issues S(j+1) = q.K(j+1)^T and P(j).V(j) back to
+  back and passes the turn on, then runs block j+1's softmax while the other group's products run. On the H200
+  this took paged causal prefill from 402-488 to 519-613 TFLOP/s over an issue order without turns (session 9).
 
 It serves what most prefill calls are (anything else takes attention.prefill_kernel, see `serves`): 16-bit q
 and K/V of one dtype, head dim 64 or 128, no custom mask, window, soft cap, RoPE or tree; pages of 8+ keys (a power
@@ -22,13 +23,8 @@ interleaved [pages, 2, ...] cache alike. The last block of a request may hold ke
 partial page, pages never fetched): their logits are masked, and before P.V the consumers zero those V rows
 (0 * NaN would poison the output).
 
-SERVEATTN_PREFILL_WS_GATHER=cp (not GPU-run yet): paged K/V gathered by a
-producer warp group with cp.async (`prefill_ws_cp_kernel`) instead of the TMA warp, to test whether the 16 small
-TMA messages a block of 16-key pages needs are what keeps paged 17-28% behind ragged.
-
-An fp8 cache under a 16-bit query reaches this kernel through attention._launch_gathered (not GPU-run
-yet): its pages are widened into temporary ragged rows (kernels/gather.py), exactly,
-and the ragged kernel runs on them.
+An fp8 cache under a 16-bit query reaches this kernel through attention._launch_gathered: its pages are
+widened into temporary ragged rows (kernels/gather.py), exactly, and the ragged kernel runs on them.
 """
 import functools
 import os
@@ -36,7 +32,6 @@ import os
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
@@ -169,11 +164,9 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
 
 
 @gluon.jit
-def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, GENERIC_COPIES: gl.constexpr):
+def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr):
     """Waits for V block j in stage st; zeroes its rows past kv_len (P is 0 there; 0 * NaN is not)."""
     mbarrier.wait(v_ready.index(st), phase)
-    if GENERIC_COPIES:  # cp.async wrote the tile: order it before the tensor cores read it
-        fence_async_shared()
     if (j + 1) * BLOCK_N > kv_len:
         v_tile = v_smem.index(st).load(io_layout)
         n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
@@ -189,7 +182,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-             GENERIC_COPIES: gl.constexpr, turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+             turn, CID: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[1]
     nw: gl.constexpr = gl.num_warps()
@@ -208,7 +201,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         qk_scale = qk_scale * gl.load(k_scale_ptr)
     if V_SCALE_PTR:
         v_scale = v_scale * gl.load(v_scale_ptr)
-    if PINGPONG and CID == 1:  # the first consumer group issues first
+    if CID == 1:  # the first consumer group issues first
         mbarrier.arrive(turn.index(0), count=1)
     turns = 0
     done = 0
@@ -230,13 +223,11 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        if PINGPONG and n_blocks > 0:
+        if n_blocks > 0:
             # FA3's order: S(j+1) and P.V(j) issued back to back while this group holds the turn (the other group
             # is in its softmax), then this group's softmax of block j+1 while both run.
             st = done % STAGES
             mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
-            if GENERIC_COPIES:
-                fence_async_shared()
             s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
                               s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -250,12 +241,10 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 nst = (g + 1) % STAGES
                 mbarrier.wait(turn.index(CID), turns & 1)
                 mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
-                if GENERIC_COPIES:
-                    fence_async_shared()
                 s = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, GENERIC_COPIES)
+                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout)
                 acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
@@ -268,49 +257,10 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             g = done + n_blocks - 1
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, GENERIC_COPIES)
+            _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout)
             acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
-        elif n_blocks > 0:
-            acc = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout))
-            st = done % STAGES
-            mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
-            if GENERIC_COPIES:  # cp.async wrote the tile: order it before the tensor cores read it
-                fence_async_shared()
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
-                              s_layout), use_acc=False, is_async=True)
-            for j in range(n_blocks):
-                g = done + j
-                st = g % STAGES
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j) (P.V(j-1) may still run)
-                mbarrier.arrive(k_empty.index(st), count=1)  # K(j) read
-                more = j + 1 < n_blocks
-                if more:  # S(j+1) runs during this block's softmax
-                    nst = (g + 1) % STAGES
-                    mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
-                    if GENERIC_COPIES:
-                        fence_async_shared()
-                    s_next = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
-                                           gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                           is_async=True)
-                else:
-                    s_next = warpgroup_mma_init(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout))
-
-                p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
-                                                       p_layout, dtype, CAUSAL)
-
-                if not more:  # no S(j+1) in flight: the wait below would not cover P.V(j-1)
-                    warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # P.V(j-1) done, S(j+1) may run
-                if j > 0:
-                    mbarrier.arrive(v_empty.index((g + STAGES - 1) % STAGES), count=1)  # V(j-1) read
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, GENERIC_COPIES)
-                acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
-                s = s_next
-            out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s))[0]
-            mbarrier.arrive(v_empty.index((done + n_blocks - 1) % STAGES), count=1)
         done += n_blocks
 
         # attention._finish, op for op
@@ -335,13 +285,12 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-                    GENERIC_COPIES: gl.constexpr, turn, PINGPONG: gl.constexpr):
+                    turn):
     _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, BLOCK_M // 2,
-             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, GENERIC_COPIES, turn, 1,
-             PINGPONG)
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn, 1)
 
 
 @gluon.jit
@@ -352,7 +301,7 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                       qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr, PINGPONG: gl.constexpr):
+                      V_SCALE_PTR: gl.constexpr):
     dtype: gl.constexpr = k_desc.dtype
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
@@ -376,122 +325,17 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False, turn, 0,
-                    PINGPONG)),
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn, 0)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, False, turn,
-                           PINGPONG)),
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn)),
         (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
                     GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
-def _gather(ptr, smem, bar, kv_indices, kv_base, kv_len, block, stride_p, stride_s, head_off,
-            PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
-    """cp.async of key block `block` by the producer group's 128 threads (16 B each, 16 per thread), keys past
-    kv_len zero-filled; each thread's copies arrive on bar when they land (init count: 128)."""
-    HEAD_DIM: gl.constexpr = smem.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    ok = n < kv_len
-    if PAGED:
-        page = gl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=ok, other=0)
-        off = page.to(gl.int64) * stride_p + (n % PAGE_SIZE).to(gl.int64) * stride_s
-    else:
-        off = (kv_base + n).to(gl.int64) * stride_p
-    off = off + head_off
-    async_copy.async_copy_global_to_shared(smem, ptr + off[:, None] + d[None, :], mask=ok[:, None])
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
-def _produce_cp(K, V, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr):
-    kvh = gl.program_id(1)
-    num_work = gl.load(num_work_ptr)
-    k_head = kvh.to(gl.int64) * stride_kh
-    v_head = kvh.to(gl.int64) * stride_vh
-    done = 0
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
-            work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
-        if n_blocks > 0:
-            st = done % STAGES
-            mbarrier.wait(k_empty.index(st), ((done // STAGES) & 1) ^ 1)
-            _gather(K, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, 0, stride_kp, stride_ks,
-                    k_head, PAGE_SIZE, PAGED)
-        for j in range(n_blocks):
-            g = done + j + 1
-            if j + 1 < n_blocks:
-                st = g % STAGES
-                mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
-                _gather(K, k_smem.index(st), k_ready.index(st), kv_indices, kv_base, kv_len, j + 1, stride_kp,
-                        stride_ks, k_head, PAGE_SIZE, PAGED)
-            g = done + j
-            st = g % STAGES
-            mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
-            _gather(V, v_smem.index(st), v_ready.index(st), kv_indices, kv_base, kv_len, j, stride_vp, stride_vs,
-                    v_head, PAGE_SIZE, PAGED)
-        done += n_blocks
-
-
-@gluon.jit
-def prefill_ws_cp_kernel(Q, K, V, O, LSE,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-                         work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                         qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                         GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr,
-                         CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                         V_SCALE_PTR: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CP_PRODUCER_REGS: gl.constexpr,
-                         CP_CONSUMER_REGS: gl.constexpr, HEAD_DIM: gl.constexpr, PINGPONG: gl.constexpr):
-    """prefill_ws_kernel with a producer warp group gathering by cp.async instead of a TMA warp (FlashInfer's
-    fa3 choice for paged KV): any page size and stride, no whole-page over-fetch."""
-    dtype: gl.constexpr = Q.dtype.element_ty
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=PRODUCER_WARPS * 32)  # one cp.async arrival per producer thread
-        mbarrier.init(v_ready.index(i), count=PRODUCER_WARPS * 32)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose turn to issue
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    gl.warp_specialize([
-        (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                    Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-                    work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True, turn, 0,
-                    PINGPONG)),
-        (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                           Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-                           work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-                           qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, True, turn,
-                           PINGPONG)),
-        (_produce_cp, (K, V, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                       work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-                       stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                       GROUP, PAGE_SIZE, PAGED, CAUSAL)),
-    ], [4, PRODUCER_WARPS], [CP_CONSUMER_REGS, CP_PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -503,12 +347,6 @@ def _capability(device: torch.device):
 def _smem_layout(box: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == torch.bfloat16
                                                 else gl.float16)
-
-
-def _pingpong() -> bool:
-    """SERVEATTN_PREFILL_WS_PINGPONG=1 (measuring; not GPU-run yet): FA3's order, S(j+1) and P.V(j) issued back to
-    back under a turn the two consumer groups pass to each other."""
-    return os.environ.get("SERVEATTN_PREFILL_WS_PINGPONG", "0") == "1"
 
 
 def _enabled() -> bool:
@@ -566,20 +404,6 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    # 16-byte copies need what Triton specializes as divisible by 16: strides and base addresses
-    aligned = all(x % 16 == 0 for x in (*sk, *sv)) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    if os.environ.get("SERVEATTN_PREFILL_WS_GATHER", "tma") == "cp" and plan.paged and aligned:
-        prefill_ws_cp_kernel[(grid0, plan.num_kv_heads)](
-            q, k, v, out, lse_arg,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
-            plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
-            *sk, *sv, qk_scale, v_scale, ks_ptr, vs_ptr,
-            GROUP=plan.group, PAGE_SIZE=plan.page_size, PAGED=True, CAUSAL=plan.causal,
-            RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PRODUCER_WARPS=4,
-            CP_PRODUCER_REGS=40, CP_CONSUMER_REGS=232, HEAD_DIM=plan.head_dim, PINGPONG=_pingpong(), num_warps=4,
-            maxnreg=MAX_REGS,
-            **LAUNCH_OPTIONS)
-        return True
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
         sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
     k_map = _row_map(k, sk, plan.num_kv_heads, plan.head_dim)
@@ -599,6 +423,6 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
         qk_scale, v_scale, ks_ptr, vs_ptr,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
-        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, PINGPONG=_pingpong(),
+        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
