@@ -88,27 +88,35 @@ def _compile(kernel, constexprs, q, kv, out, warps, stages):
 
 def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_dim=128):
     """The warp-specialized Hopper prefill kernel (Gluon: a tensordesc signature, warps and registers fixed by
-    the kernel module)."""
+    the kernel module). An fp8 dtype compiles fp8 attention (fp8 q and K/V, V read transposed, bf16 out)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from serveattn.kernels import attention_ws as ws
     kernel = ws.prefill_ws_kernel
     block_n = ws.BLOCK_N.value
     box = min(page_size, block_n) if paged else block_n
-    layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == "bf16" else gl.float16)
+    gl_dtype = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv, "fp8e5": gl.float8e5}[dtype]
+    fp8 = dtype.startswith("fp8")
+    layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl_dtype)
+    vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl_dtype)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
-                      K_SCALE_PTR=False, V_SCALE_PTR=False)
+                      K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8)
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("k_desc", "v_desc"):
+        elif name == "k_desc" or (name == "v_desc" and not fp8):
             sig[name] = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
-        elif name in ("Q", "O", "K", "V"):
+        elif name == "v_desc":
+            sig[name] = f"tensordesc<{dtype}[{head_dim}, {block_n}],{vt_layout!r}>"
+        elif name == "Q":
             sig[name] = f"*{dtype}"
-        elif name in ("LSE", "k_scale_ptr", "v_scale_ptr"):
+        elif name == "O":
+            sig[name] = "*bf16" if fp8 else f"*{dtype}"
+        elif name in ("LSE", "k_scale_ptr", "v_scale_ptr", "q_descale", "k_descale", "v_descale"):
             sig[name] = "*fp32"
-        elif name in ("work", "num_work_ptr", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len"):
+        elif name in ("work", "num_work_ptr", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len",
+                      "kv_tok_indptr"):
             sig[name] = "*i32"
         elif name in ("qk_scale", "v_scale"):
             sig[name] = "fp32"

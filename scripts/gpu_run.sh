@@ -176,7 +176,7 @@ step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU
     # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
     for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_GATHER=0; do
       # shellcheck disable=SC2086  # one or two assignments per entry
-      env $env timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds bf16,kv8
+      env $env timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds ${PROBE_KINDS:-bf16,kv8,fp8}
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"
   return "${PIPESTATUS[0]}"

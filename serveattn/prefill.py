@@ -30,8 +30,9 @@ class TileConfig:
 
 
 def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: torch.device,
-                 paged: bool, fp8: bool = False) -> TileConfig:
+                 paged: bool, fp8: bool = False, fp8_ws: bool = False) -> TileConfig:
     """Tile shapes per head dim; small query blocks when a request has few (token, head) rows.
+    fp8_ws: an fp8 q+KV plan the warp-specialized kernel will take (its 128 x 128 tiles).
 
     max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it).
     SERVEATTN_PREFILL_TILES="block_m,block_n,warps,stages" overrides the table (for tuning runs only)."""
@@ -45,7 +46,7 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
     # pipelines best 2 deep, contiguous K/V 3 deep. Head dim 256 halves the tiles to fit shared memory.
     if head_dim == 256:
         block_m, block_n, warps, stages = 64, 64, 4, 2
-    elif fp8 and paged:
+    elif fp8 and paged and not fp8_ws:
         # fp8 q and KV (both products on fp8 wgmma), H200 sweep of 2026-12-02 (docs/runs/2026-12-02T1840-fp8-
         # prefill-tile-sweep.txt): 64 x 128 tiles on one warpgroup, 5 deep (its tiles take half the shared memory
         # of bf16's), 520 / 586 / 617 TFLOP/s at 4096 / 8192 / 16384 tokens against 396 / 439 / 468 for the bf16
@@ -222,7 +223,12 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
                              f"per request; the plan has {max_qo_len}.")
-    tiles = choose_tiles(head_dim, group, max_qo, device, paged, fp8=q_dtype.itemsize == 1)
+    fp8 = q_dtype.itemsize == 1
+    # fp8 q+KV: the warp-specialized kernel's tiles where it will serve (V^T made: not under CUDA graphs)
+    fp8_ws = (fp8 and not graph_tiles and attention_kernel.attention_ws is not None
+              and attention_kernel.attention_ws.takes_fp8(device, head_dim, page_size if paged else None,
+                                                          max_qo_len * group))
+    tiles = choose_tiles(head_dim, group, max_qo, device, paged, fp8=fp8, fp8_ws=fp8_ws)
     rope = pos_encoding_mode == "ROPE_LLAMA"
     plan = Plan(
         paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

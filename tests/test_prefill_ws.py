@@ -13,19 +13,20 @@ from serveattn.kernels import attention_ws as ws
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_compiles_for_sm90_with_the_designed_schedule(head_dim, tmp_path):
+@pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("bf16", 64), ("fp8e4nv", 128)])
+def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, tmp_path):
     """Compiled in a fresh process (the suite runs under TRITON_INTERPRET=1, which Gluon does not take)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
-           "--head-dim", str(head_dim), "--dump", str(tmp_path)]
+           "--q", dtype, "--head-dim", str(head_dim), "--dump", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = (tmp_path / "prefill-ws.ptx").read_text()
     # two consumer groups, each: S(0) before the loop, S(j+1) and P.V(j) in it, the last P.V after it (head_dim / 16
     # and BLOCK_N / 16 k-steps)
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // 16 + 2 * ws.BLOCK_N.value // 16)
+    k_step = 32 if dtype.startswith("fp8") else 16  # a wgmma reads 32 bytes of each row
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // k_step + 2 * ws.BLOCK_N.value // k_step)
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)  # P.V(j) stays in flight over softmax(j+1)
     assert str(ws.PRODUCER_REGS.value) in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)

@@ -265,3 +265,76 @@ def test_gathered_16bit_cache_is_the_paged_run(monkeypatch):
     monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
     out_t, lse_t = _run(w, b, torch.bfloat16)
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+
+
+FP8_CASES = [CASES[0], CASES[2], CASES[3], CASES[5], CASES[7]]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("case", FP8_CASES, ids=[c[0] for c in FP8_CASES])
+def test_fp8_attention_equals_prefill_kernel(case, enc, per_head, ws_calls, monkeypatch):
+    """fp8 q and K/V on the warp-specialized kernel (both products on fp8 wgmma, V from its transposed copy):
+    bitwise prefill_kernel's FP8_QKV result on the same plan, repeatable, every element written, near the
+    float64 reference of the dequantized inputs."""
+    name, qo_lens, kv_lens, hq, hkv, ps, layout, form, causal, head_dim = case
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ws8{name}{enc}{per_head}".encode()))
+    b, hq, hkv, causal, head_dim = _batch(case, torch.float32)
+    q8 = (b.q * 8).to(enc)
+    cache8 = tuple((c * 4).to(enc) for c in b.cache) if isinstance(b.cache, tuple) else (b.cache * 4).to(enc)
+    sq = (torch.rand(hq if per_head else 1, generator=gen) + 0.5).cuda() / 8
+    sk = (torch.rand(hkv if per_head else 1, generator=gen) + 0.5).cuda() / 4
+    sv = (torch.rand(hkv if per_head else 1, generator=gen) + 0.5).cuda() / 4
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                       b.kv_layout)
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, b.page_size, causal=causal,
+           q_data_type=enc, kv_data_type=enc)
+    assert w._plan.vt_work is not None and w._plan.tiles.block_m == 128
+
+    def run():
+        out = nan_like(b.q.shape, torch.bfloat16, "cuda")
+        lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+        w.run(q8, cache8, scale_q=sq, scale_k=sk, scale_v=sv, k_scale=0.75, out=out, lse=lse, return_lse=True)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run()
+    assert ws_calls == [True], "fp8 attention did not take the warp-specialized kernel"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an element was not written"
+    out2, lse2 = run()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "not repeatable"
+    q_ref = q8.double() * sq.double().reshape(1, -1, 1)
+    caches = cache8 if isinstance(cache8, tuple) else cache8.unbind(1)
+    head_axis = 2 if b.kv_layout == "NHD" else 1
+    shape = [1, 1, 1, 1]
+    shape[head_axis] = -1
+    k_ref = caches[0].double() * sk.double().reshape(shape) * 0.75
+    v_ref = caches[1].double() * sv.double().reshape(shape)
+    ref_out, _ = reference.batch_paged(q_ref, (k_ref, v_ref), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                       b.last_page_len, causal=causal, kv_layout=b.kv_layout)
+    assert rel_err(out, ref_out) < 5e-2
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    out_t, lse_t = run()
+    assert ws_calls == [True, True, True]
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t), "not bitwise prefill_kernel's result"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_fp8_attention_single_prefill_takes_the_kernel(ws_calls, monkeypatch):
+    """single_prefill_with_kv_cache on fp8 q/K/V (a ragged plan): the warp-specialized kernel, bitwise
+    prefill_kernel's result."""
+    gen = torch.Generator().manual_seed(21)
+    enc = torch.float8_e4m3fn
+    q8 = torch.randn(700, 16, 128, generator=gen).to(enc).cuda()
+    k8 = torch.randn(900, 4, 128, generator=gen).to(enc).cuda()
+    v8 = torch.randn(900, 4, 128, generator=gen).to(enc).cuda()
+    s = torch.tensor([0.05], device="cuda")
+    out = serveattn.single_prefill_with_kv_cache(q8, k8, v8, causal=True, scale_q=s, scale_k=s, scale_v=s,
+                                                 backend="triton")
+    assert ws_calls == [True]
+    assert not torch.isnan(out).any()
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
+    out_t = serveattn.single_prefill_with_kv_cache(q8, k8, v8, causal=True, scale_q=s, scale_k=s, scale_v=s,
+                                                 backend="triton")
+    assert torch.equal(out, out_t)

@@ -447,9 +447,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     if attention_ws is not None and gather_ok and descales is None and _launch_gathered(
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
-    if attention_ws is not None and attention_ws.serves(q, k, v, plan, descales) and attention_ws.launch(
-            q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
-        return
+    ws = attention_ws is not None and attention_ws.serves(q, k, v, plan, descales)
     vt, vt_tokens = plan.work, 0
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
         vt_tokens = plan.vt_tokens
@@ -458,6 +456,9 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
             v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
             plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens,
             HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N, PAGE_SIZE=plan.page_size, PAGED=plan.paged)
+    if ws and attention_ws.launch(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
+                                  vs_dev, descales, vt if plan.vt_work is not None else None):
+        return
     prefill_kernel[(grid0, plan.num_kv_heads)](
         q, k, v, out, lse_arg,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,

@@ -28,19 +28,21 @@ widened into temporary ragged rows (kernels/gather.py), exactly, and the ragged 
 """
 import functools
 import os
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .common import LAUNCH_OPTIONS
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
+P_SCALE = gl.constexpr(256.0)  # fp8 attention: attention.P_SCALE (P * 256 rounded to e4m3 for P.V)
 HEAD_DIMS = (64, 128)  # served head dims (the kernels read theirs from the tiles' shapes)
 # K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
 STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
@@ -99,7 +101,7 @@ def _block_rows(kv_indices, kv_base, kv_len, block, page_rows, head_row, PAGE_SI
 def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
     """TMA of one key block (its copies' rows from _block_rows) into smem, completing on bar."""
     HEAD_DIM: gl.constexpr = smem.shape[1]
-    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * 2)  # one expect per phase: every copy is issued
+    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * smem.dtype.primitive_bitwidth // 8)  # one per phase: every copy issued
     for i in gl.static_range(BLOCK_N // BOX):
         tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
 
@@ -107,9 +109,9 @@ def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
 @gluon.jit
 def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-             k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
+             k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr):
+             CAUSAL: gl.constexpr, V_T: gl.constexpr):
     kvh = gl.program_id(1)
     num_work = gl.load(num_work_ptr)
     k_row = kvh * k_head_rows
@@ -120,6 +122,9 @@ def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
+        vt_base = 0
+        if V_T:  # the request's first column in V^T (padded to whole blocks, zero-filled past kv_len)
+            vt_base = gl.load(kv_tok_indptr + gl.load(work + 2 * w))
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
         if n_blocks > 0:
             rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
@@ -133,21 +138,31 @@ def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 st = g % STAGES
                 mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
                 _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
-            rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
             g = done + j
             st = g % STAGES
-            mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
-            _fetch(v_desc, v_smem.index(st), v_ready.index(st), rows, v_col, BOX)
+            if V_T:  # fp8 attention: V^T [kv head * dim, token] (attention.transpose_v_kernel), one copy a block
+                mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(st), BLOCK_N * v_smem.shape[1])
+                tma.async_copy_global_to_shared(v_desc, [v_row, vt_base + j * BLOCK_N], v_ready.index(st),
+                                                v_smem.index(st))
+            else:
+                rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
+                mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
+                _fetch(v_desc, v_smem.index(st), v_ready.index(st), rows, v_col, BOX)
         done += n_blocks
 
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale, p_layout: gl.constexpr,
-                   dtype: gl.constexpr, CAUSAL: gl.constexpr):
+                   dtype: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """Block j's logits folded into the running (m_i, l_i): returns P as P.V's A operand, the accumulator's
-    rescale factor, m_i, l_i. prefill_kernel's _attend, op for op."""
+    rescale factor, m_i, l_i. prefill_kernel's _attend, op for op. FP8: qk_scale is a per-row column (descales
+    per head) and P goes to the tensor cores as P * P_SCALE in e4m3."""
     BN: gl.constexpr = s.shape[1]
-    x = s * qk_scale
+    if FP8:
+        x = s * qk_scale[:, None]
+    else:
+        x = s * qk_scale
     n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
     if j >= n_full:  # prefill_kernel's MASKED blocks
         visible = (n < kv_len)[None, :] & row_ok[:, None]
@@ -160,40 +175,53 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
     p = gl.exp2(x - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+    if FP8:
+        p_op = (p * P_SCALE).to(gl.float8e4nv)
+    else:
+        p_op = p.to(dtype)
+    return gl.convert_layout(p_op, p_layout), alpha, m_new, l_i
 
 
 @gluon.jit
-def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr):
-    """Waits for V block j in stage st; zeroes its rows past kv_len (P is 0 there; 0 * NaN is not)."""
+def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, V_T: gl.constexpr):
+    """Waits for V block j in stage st and returns it as P.V's B operand; zeroes its rows past kv_len (P is 0
+    there; 0 * NaN is not) unless it is a V^T tile (zero-filled there already)."""
     mbarrier.wait(v_ready.index(st), phase)
-    if (j + 1) * BLOCK_N > kv_len:
-        v_tile = v_smem.index(st).load(io_layout)
-        n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        v_smem.index(st).store(gl.where((n_io < kv_len)[:, None], v_tile, gl.zeros_like(v_tile)))
-        fence_async_shared()
-        gl.thread_barrier()
+    if V_T:
+        v_op = v_smem.index(st).permute((1, 0))
+    else:
+        if (j + 1) * BLOCK_N > kv_len:
+            v_tile = v_smem.index(st).load(io_layout)
+            n_io = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            v_smem.index(st).store(gl.where((n_io < kv_len)[:, None], v_tile, gl.zeros_like(v_tile)))
+            fence_async_shared()
+            gl.thread_barrier()
+        v_op = v_smem.index(st)
+    return v_op
 
 
 @gluon.jit
 def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, row0,
+             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
+             kv_descale_stride, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-             RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
+             RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr,
              turn, CID: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[1]
     nw: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_smem.dtype
+    K_STEP: gl.constexpr = 256 // dtype.primitive_bitwidth  # a wgmma's k: 32 bytes of each operand row
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, K_STEP])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    dtype: gl.constexpr = q_smem.dtype
 
     kvh = gl.program_id(1)
     num_work = gl.load(num_work_ptr)
@@ -201,6 +229,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         qk_scale = qk_scale * gl.load(k_scale_ptr)
     if V_SCALE_PTR:
         v_scale = v_scale * gl.load(v_scale_ptr)
+    if FP8:  # descales per tensor (stride 0) or per head: scale_q per row, scale_k / scale_v per program
+        v_scale = v_scale * gl.load(v_descale + kvh * kv_descale_stride) / P_SCALE
     if CID == 1:  # the first consumer group issues first
         mbarrier.arrive(turn.index(0), count=1)
     turns = 0
@@ -220,6 +250,11 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=row_layout)
         tok = rows // GROUP
         row_ok = tok < qo_len
+        row_qk_scale = qk_scale
+        if FP8:
+            dq_dk = gl.load(q_descale + (kvh * GROUP + rows % GROUP) * q_descale_stride) * gl.load(
+                k_descale + kvh * kv_descale_stride)
+            row_qk_scale = qk_scale * dq_dk
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -232,8 +267,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                               s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
-            p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok, qk_scale,
-                                                   p_layout, dtype, CAUSAL)
+            p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok,
+                                                   row_qk_scale, p_layout, dtype, CAUSAL, FP8)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             for j in range(n_blocks - 1):
                 g = done + j
@@ -244,21 +279,21 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 s = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout)
-                acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
+                v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, FP8)
+                acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j+1); P.V(j) may still run
                 mbarrier.arrive(k_empty.index(nst), count=1)
                 p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j + 1, n_full, kv_len, row_ok, delta, tok,
-                                                       qk_scale, p_layout, dtype, CAUSAL)
+                                                       row_qk_scale, p_layout, dtype, CAUSAL, FP8)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
                 mbarrier.arrive(v_empty.index(st), count=1)
             g = done + n_blocks - 1
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout)
-            acc = warpgroup_mma(p_op, v_smem.index(st), acc, is_async=True)
+            v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, FP8)
+            acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
         done += n_blocks
@@ -282,15 +317,17 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
+                    q_descale_stride, kv_descale_stride,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-                    turn):
+                    FP8: gl.constexpr, turn):
     _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, BLOCK_M // 2,
-             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn, 1)
+             qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
+             kv_descale_stride, BLOCK_M // 2,
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 1)
 
 
 @gluon.jit
@@ -299,15 +336,21 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                       work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                       k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
                       qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
+                      kv_tok_indptr, q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr):
-    dtype: gl.constexpr = k_desc.dtype
+                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr):
+    """FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
+    operand order fp8 wgmma reads), q/k/v descales as prefill_kernel's FP8_QKV."""
+    dtype: gl.constexpr = Q.dtype.element_ty
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    if FP8:  # V^T tiles
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -324,17 +367,19 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
         (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn, 0)),
+                    qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
+                    kv_descale_stride, 0,
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 0)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
-                           qk_scale, v_scale, k_scale_ptr, v_scale_ptr,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, turn)),
+                           qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
+                           q_descale_stride, kv_descale_stride,
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn)),
         (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
-                    k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
-                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL)),
+                    k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
+                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -343,10 +388,14 @@ def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.float8_e5m2: gl.float8e5}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @functools.lru_cache(maxsize=None)
-def _smem_layout(box: int, head_dim: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([box, head_dim], gl.bfloat16 if dtype == torch.bfloat16
-                                                else gl.float16)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
 
 
 def _enabled() -> bool:
@@ -377,17 +426,32 @@ def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
                             _smem_layout(box, head_dim, t.dtype)), rows
 
 
+def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int]) -> bool:
+    """Whether an fp8 q+KV plan should get this kernel's tiles (prefill.choose_tiles): served here when V^T is
+    made (prefill.transposed_v: a request with more than one query tile, `rows` = its (token, head) rows; not
+    under CUDA graphs, rows=None) and the pages suit TMA (page_size None: ragged)."""
+    if not (_enabled() and device.type == "cuda" and rows is not None and rows > BLOCK_M.value):
+        return False
+    ok_pages = page_size is None or (page_size >= 8 and page_size & (page_size - 1) == 0)
+    return ok_pages and head_dim in HEAD_DIMS and _capability(device) == (9, 0)
+
+
 def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
     """Whether this call's kind is the warp-specialized kernel's (launch() still checks the cache's strides);
     otherwise the call takes prefill_kernel, which gives the same bits. as_ragged: for the plan's keys copied
-    into ragged rows of q's dtype (attention._launch_gathered), whatever the cache's dtype and page size."""
+    into ragged rows of q's dtype (attention._launch_gathered), whatever the cache's dtype and page size.
+    descales: fp8 q and K/V (FP8_QKV), served with V^T (plan.vt_work) only."""
     if as_ragged:
         k = v = q
-    if not (_enabled() and q.is_cuda and descales is None and plan.vt_work is None):
+    fp8 = descales is not None
+    if not (_enabled() and q.is_cuda and (plan.vt_work is not None) == fp8):
         return False
     if _capability(q.device) != (9, 0):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if fp8:
+        if q.dtype not in FP8_DTYPES or k.dtype not in FP8_DTYPES or v.dtype != k.dtype:
+            return False
+    elif q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
     if plan.head_dim not in HEAD_DIMS or plan.tiles.block_m != BLOCK_M.value or plan.tiles.block_n != BLOCK_N.value:
         return False
@@ -400,19 +464,31 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
 
 
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
-           ks_dev: bool, vs_dev: bool) -> bool:
-    """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not."""
+           ks_dev: bool, vs_dev: bool, descales=None, vt=None) -> bool:
+    """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not.
+    descales, vt: fp8 attention's (scale_q, scale_k, scale_v) and V^T ([kv heads, head dim, columns],
+    attention.transpose_v_kernel)."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    fp8 = descales is not None
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
         sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
     k_map = _row_map(k, sk, plan.num_kv_heads, plan.head_dim)
-    v_map = _row_map(v, sv, plan.num_kv_heads, plan.head_dim)
+    # V^T as a [kv heads * head dim, columns] matrix: head h's rows start at h * head dim
+    v_map = (vt.shape[-1], 0, plan.head_dim, 0) if fp8 else _row_map(v, sv, plan.num_kv_heads, plan.head_dim)
     if k_map is None or v_map is None:
         return False
     box = min(plan.page_size, BLOCK_N.value) if plan.paged else BLOCK_N.value
     k_desc, k_rows = _descriptor(k, k_map[0], box, plan.head_dim)
-    v_desc, v_rows = _descriptor(v, v_map[0], box, plan.head_dim)
+    if fp8:
+        v_rows = plan.num_kv_heads * plan.head_dim
+        v_desc = TensorDescriptor(vt, [v_rows, vt.shape[-1]], [vt.shape[-1], 1], [plan.head_dim, BLOCK_N.value],
+                                  _smem_layout(plan.head_dim, BLOCK_N.value, vt.dtype))
+        dq, dk, dv = descales
+        descale_args = (plan.kv_tok_indptr, dq, dk, dv, int(dq.numel() > 1), int(dk.numel() > 1))
+    else:
+        v_desc, v_rows = _descriptor(v, v_map[0], box, plan.head_dim)
+        descale_args = (plan.work,) * 4 + (0, 0)
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
     prefill_ws_kernel[(grid0, plan.num_kv_heads)](
@@ -421,8 +497,8 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
         plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
         k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
-        qk_scale, v_scale, ks_ptr, vs_ptr,
+        qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
-        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8,
         num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
