@@ -193,7 +193,11 @@ def test_fp8_tiles_keep_the_bitwise_contract(head_dim, monkeypatch):
     # fp8 cache gets the 16-bit query's tiles
     asked = []
     real = prefill.choose_tiles
-    monkeypatch.setattr(prefill, "choose_tiles", lambda *a, fp8=False: asked.append(fp8) or real(*a, fp8=fp8))
+
+    def spy(*args, fp8=False, **kwargs):
+        asked.append(fp8)
+        return real(*args, fp8=fp8, **kwargs)
+    monkeypatch.setattr(prefill, "choose_tiles", spy)
     b = make_paged_batch(torch.Generator().manual_seed(5), qo_lens=[3], kv_lens=[20], num_qo_heads=4, num_kv_heads=2,
                          head_dim=head_dim, page_size=16, dtype=torch.float32, device="cpu")
     for q_dtype, kv_dtype in ((torch.bfloat16, ENCODINGS[0]), (torch.float16, ENCODINGS[1]), (ENCODINGS[0],) * 2):
