@@ -206,3 +206,18 @@ def test_fp8_attention_refusals(device):
         return
     with pytest.raises(ValueError, match="a descale must be on"):
         _single(q8, k8, k8, one, one, torch.ones(1, device="meta"))
+
+
+def test_mixed_encodings_are_exact(device):
+    """An e4m3 query over an e5m2 cache: the e5m2 tiles reach the tensor cores as they are (mixed fp8 operands),
+    not converted to e4m3, which would saturate values past 448 and flush those below 2^-9 (both present here)."""
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = torch.randn(40, 4, 64, generator=gen), torch.randn(90, 2, 64, generator=gen), \
+        torch.randn(90, 2, 64, generator=gen)
+    q8, sq = _quantize(q, torch.float8_e4m3fn, False)
+    k8 = (k * 2000).to(torch.float8_e5m2)  # |values| up to ~8000
+    v8 = (v * 2 ** -12).to(torch.float8_e5m2)  # values down to e5m2's subnormals
+    sk, sv = torch.tensor([1 / 2000]), torch.tensor([2.0 ** 12])
+    ref, _ = reference.attention(_dequant(q8, sq), _dequant(k8, sk), _dequant(v8, sv), causal=True)
+    out, _ = _single(q8.to(device), k8.to(device), v8.to(device), sq.to(device), sk.to(device), sv.to(device))
+    assert rel_err(out, ref) < 5e-2

@@ -61,7 +61,9 @@ def to_dtype(x, dtype: tl.constexpr):
 def widen(x, dtype: tl.constexpr):
     """A loaded K/V tile in the compute dtype: fp8 is dequantized exactly (every fp8 value is a 16-bit
     value); a 16-bit tile is returned as it is. Under the interpreter fp8 is decoded from its bits."""
-    if x.dtype == dtype:  # fp8 attention keeps fp8 operands for the tensor cores
+    if x.dtype == dtype or (x.dtype.is_fp8() and dtype.is_fp8()):
+        # fp8 attention keeps fp8 operands for the tensor cores, which take e4m3 and e5m2 mixed (an e5m2 tile
+        # converted to an e4m3 query's encoding would saturate at 448 and lose its small values)
         return x
     elif x.dtype.is_fp8():
         if INTERPRET:
