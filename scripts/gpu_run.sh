@@ -170,13 +170,15 @@ step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per gather
+step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per switch
   {
-    timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_prefill_ws_gpu.py 2>&1 | tail -25
+    timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_ws_gpu.py tests/test_fp8_attention.py \
+      2>&1 | grep -v Warning | tail -25
     # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
-    for env in SERVEATTN_PREFILL_WS=0 SERVEATTN_PREFILL_WS=1 SERVEATTN_PREFILL_GATHER=0; do
-      # shellcheck disable=SC2086  # one or two assignments per entry
-      env $env timeout 90 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 --kinds ${PROBE_KINDS:-bf16,kv8,fp8}
+    local cases=1x4096,1x8192,1x16384,16x2048
+    for run in "SERVEATTN_PREFILL_WS=0:bf16,fp8" "SERVEATTN_PREFILL_WS=1:bf16,kv8,fp8" \
+               "SERVEATTN_PREFILL_WS_QTMA=0:bf16,fp8" "SERVEATTN_PREFILL_GATHER=0:bf16"; do
+      env "${run%%:*}" timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds "${run#*:}"
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"
   return "${PIPESTATUS[0]}"
