@@ -73,6 +73,11 @@ def test_tma_view_declines_what_it_cannot_address():
     assert ws._row_map(k, (k.stride(0), k.stride(1), 100), 4, 128) is None  # heads overlap within a slot row
     assert ws._row_map(k, (1000, k.stride(1), k.stride(2)), 4, 128) is None  # pages not a whole number of rows
     assert ws._row_map(k.transpose(2, 3), (k.stride(0), k.stride(1), k.stride(2)), 4, 128) is None  # d strided
+    # 16-byte alignment in bytes: a slot stride of 520 elements suits bf16 (1040 B), not fp8 (520 B)
+    wide = torch.zeros(4, 16, 520, dtype=torch.bfloat16)
+    assert ws._row_map(wide, (wide.stride(0), 520, 128), 4, 128) is not None
+    narrow = torch.zeros(4, 16, 520, dtype=torch.float8_e4m3fn)
+    assert ws._row_map(narrow, (narrow.stride(0), 520, 128), 4, 128) is None
 
 def test_a_triton_without_gluon_still_serves_prefill():
     """serveattn imports and prefills (prefill_kernel) where Triton has no Gluon Hopper API (before 3.6)."""

@@ -444,13 +444,14 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int, head_dim: int):
     """(slot stride, page rows, head rows, head cols) of K or V as rows of a [rows, slot stride] view, or None
     when the cache's strides do not allow that view (see the module docstring)."""
     page_stride, slot_stride, head_stride = strides
-    if t.stride(-1) != 1 or slot_stride <= 0 or slot_stride % 8 or t.data_ptr() % 16:
+    align = 16 // t.element_size()  # TMA: 16-byte row strides and column offsets
+    if t.stride(-1) != 1 or slot_stride <= 0 or slot_stride % align or t.data_ptr() % 16:
         return None
     if page_stride % slot_stride:
         return None
     if head_stride % slot_stride == 0:
         head_rows, head_cols = head_stride // slot_stride, 0
-    elif head_stride * (num_kv_heads - 1) + head_dim <= slot_stride and head_stride % 8 == 0:
+    elif head_stride * (num_kv_heads - 1) + head_dim <= slot_stride and head_stride % align == 0:
         head_rows, head_cols = 0, head_stride
     else:
         return None
