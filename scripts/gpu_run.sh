@@ -177,7 +177,7 @@ step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU
     # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
     local cases=1x4096,1x8192,1x16384,16x2048
     for run in "SERVEATTN_PREFILL_WS=0:bf16,fp8" "SERVEATTN_PREFILL_WS=1:bf16,kv8,fp8" \
-               "SERVEATTN_PREFILL_WS_QTMA=0:bf16,fp8" "SERVEATTN_PREFILL_GATHER=0:bf16"; do
+               "SERVEATTN_PREFILL_WS_FP8=1:fp8" "SERVEATTN_PREFILL_GATHER=0:bf16"; do
       env "${run%%:*}" timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds "${run#*:}"
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"

@@ -398,6 +398,13 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
 
 
+def _fp8_enabled() -> bool:
+    """SERVEATTN_PREFILL_WS_FP8=1: fp8 attention (fp8 q and K/V) on this kernel. Off by default: right (bitwise
+    prefill_kernel's result on the H200) but 0.90-0.96x of prefill_kernel's fp8 tiles (64 x 128, two CTAs an SM)
+    in one run (session 9, docs/performance.md); for measuring until it is faster."""
+    return os.environ.get("SERVEATTN_PREFILL_WS_FP8", "0") == "1"
+
+
 def _enabled() -> bool:
     return os.environ.get("SERVEATTN_PREFILL_WS", "1") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -431,7 +438,7 @@ def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int
     """Whether an fp8 q+KV plan should get this kernel's tiles (prefill.choose_tiles): served here when V^T is
     made (prefill.transposed_v: a request with more than one query tile, `rows` = its (token, head) rows; not
     under CUDA graphs, rows=None) and the pages suit TMA (page_size None: ragged)."""
-    if not (_enabled() and device.type == "cuda" and rows is not None and rows > BLOCK_M.value):
+    if not (_enabled() and _fp8_enabled() and device.type == "cuda" and rows is not None and rows > BLOCK_M.value):
         return False
     ok_pages = page_size is None or (page_size >= 8 and page_size & (page_size - 1) == 0)
     return ok_pages and head_dim in HEAD_DIMS and _capability(device) == (9, 0)
@@ -450,7 +457,7 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
     if _capability(q.device) != (9, 0):
         return False
     if fp8:
-        if q.dtype not in FP8_DTYPES or k.dtype not in FP8_DTYPES or v.dtype != k.dtype:
+        if not _fp8_enabled() or q.dtype not in FP8_DTYPES or k.dtype not in FP8_DTYPES or v.dtype != k.dtype:
             return False
     elif q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
