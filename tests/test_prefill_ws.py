@@ -93,11 +93,14 @@ builtins.__import__ = without_gluon
 import torch, serveattn
 from serveattn.kernels import attention
 assert attention.attention_ws is None
-q, k, v = (torch.randn(5, 2, 64, dtype=torch.float16) for _ in range(3))
+q, k, v = (torch.randn(5, 2, 64, dtype=torch.float16, device=DEVICE) for _ in range(3))
 out = serveattn.single_prefill_with_kv_cache(q, k, v, causal=True, backend="triton")
 assert out.shape == q.shape and not torch.isnan(out).any()
 print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    # on a GPU machine the real kernel (prefill_kernel) on the GPU, else the interpreter
+    gpu = torch.cuda.is_available()
+    env = dict(os.environ, TRITON_INTERPRET="0" if gpu else "1", PYTHONPATH=ROOT)
+    code = code.replace("DEVICE", repr("cuda" if gpu else "cpu"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
