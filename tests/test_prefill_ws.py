@@ -104,3 +104,22 @@ print("ok")
     code = code.replace("DEVICE", repr("cuda" if gpu else "cpu"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_fp8_attention_takes_the_kernel_only_when_asked(monkeypatch):
+    """fp8 attention on the warp-specialized kernel is off unless SERVEATTN_PREFILL_WS_FP8=1 (slower than
+    prefill_kernel's fp8 tiles on the H200); asked for, a plan gets its tiles only where it will serve: V^T made
+    (more than one 128-row query tile), TMA-friendly pages, head dim 64 or 128, sm_90."""
+    monkeypatch.setattr(ws, "_capability", lambda device: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert not ws.takes_fp8(cuda, 128, 16, 4096)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "1")
+    assert ws.takes_fp8(cuda, 128, 16, 4096) and ws.takes_fp8(cuda, 64, None, 4096)
+    assert not ws.takes_fp8(cuda, 128, 16, 128)  # one query tile: no V^T
+    assert not ws.takes_fp8(cuda, 128, 16, None)  # CUDA graphs: no V^T
+    assert not ws.takes_fp8(cuda, 128, 12, 4096) and not ws.takes_fp8(cuda, 128, 4, 4096)  # pages
+    assert not ws.takes_fp8(cuda, 256, 16, 4096)
+    assert not ws.takes_fp8(torch.device("cpu"), 128, 16, 4096)
+    monkeypatch.setattr(ws, "_capability", lambda device: (8, 0))
+    assert not ws.takes_fp8(cuda, 128, 16, 4096)
