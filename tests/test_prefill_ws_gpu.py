@@ -18,18 +18,23 @@ def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture
-def ws_calls(monkeypatch):
-    """Counts launches of the warp-specialized kernel."""
+def _spy(monkeypatch, module, name):
+    """Replaces module.name by a wrapper recording what each call returned (whether it launched)."""
     calls = []
-    real = attention_ws.launch
+    real = getattr(module, name)
 
     def spy(*args, **kwargs):
         ran = real(*args, **kwargs)
         calls.append(ran)
         return ran
-    monkeypatch.setattr(attention_ws, "launch", spy)
+    monkeypatch.setattr(module, name, spy)
     return calls
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    """Counts launches of the warp-specialized kernel."""
+    return _spy(monkeypatch, attention_ws, "launch")
 
 
 CASES = [
@@ -248,14 +253,7 @@ def test_gathered_16bit_cache_is_the_paged_run(monkeypatch):
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
     w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, 16, causal=True,
            q_data_type=torch.bfloat16)
-    gathered = []
-    real = attention._launch_gathered
-
-    def spy(*args, **kwargs):
-        ran = real(*args, **kwargs)
-        gathered.append(ran)
-        return ran
-    monkeypatch.setattr(attention, "_launch_gathered", spy)
+    gathered = _spy(monkeypatch, attention, "_launch_gathered")
     out, lse = _run(w, b, torch.bfloat16)
     assert gathered == [True], "3000 causal tokens at GQA 4 should pay for the copy"
     monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
