@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from ..policy import FP8_DTYPES
 from .common import LAUNCH_OPTIONS
 from .sizes import cdiv
 
@@ -390,7 +391,6 @@ def _capability(device: torch.device):
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.float8_e5m2: gl.float8e5}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @functools.lru_cache(maxsize=None)
