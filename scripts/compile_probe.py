@@ -99,12 +99,16 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_di
     fp8 = dtype.startswith("fp8")
     layout = gl.NVMMASharedLayout.get_default_for([box, head_dim], gl_dtype)
     vt_layout = gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl_dtype)
+    q_box = [ws.BLOCK_M.value // 2 // group, group, head_dim]
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
-                      K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8)
+                      K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8, Q_TMA=True)
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name == "q_desc":
+            sig[name] = f"tensordesc<{dtype}[{q_box[0]}, {q_box[1]}, {q_box[2]}],{q_layout!r}>"
         elif name == "k_desc" or (name == "v_desc" and not fp8):
             sig[name] = f"tensordesc<{dtype}[{box}, {head_dim}],{layout!r}>"
         elif name == "v_desc":

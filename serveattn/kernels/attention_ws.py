@@ -108,11 +108,26 @@ def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
 
 
 @gluon.jit
-def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+def _fetch_q(q_desc, q_smem, q_ready, q_empty, items, tok0, kvh, GROUP: gl.constexpr):
+    """TMA of a work item's 128 (token, head) rows of q, 64 per consumer group: a [tokens, GROUP heads, dim] box
+    of q viewed as [tokens, heads, dim] lands row for row where the group's [64, dim] operand expects it (the
+    swizzle follows the address, whatever the box's rank). Tokens past q's end arrive as zeros, tokens of the
+    next request as their values: rows that are never stored."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    mbarrier.wait(q_empty, (items & 1) ^ 1)
+    mbarrier.expect(q_ready, BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8)
+    for c in gl.static_range(2):
+        box = q_smem.index(c)._reinterpret(q_smem.dtype, [ROWS // GROUP, GROUP, HEAD_DIM], q_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [tok0 + c * (ROWS // GROUP), kvh * GROUP, 0], q_ready, box)
+
+
+@gluon.jit
+def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
              work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
              k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr, V_T: gl.constexpr):
+             CAUSAL: gl.constexpr, V_T: gl.constexpr, Q_TMA: gl.constexpr):
     kvh = gl.program_id(1)
     num_work = gl.load(num_work_ptr)
     k_row = kvh * k_head_rows
@@ -120,12 +135,16 @@ def _produce(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     v_row = kvh * v_head_rows
     v_col = kvh * v_head_cols
     done = 0  # blocks of earlier work items: the ring's stage and phase run on across items
+    items = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
         vt_base = 0
         if V_T:  # the request's first column in V^T (padded to whole blocks, zero-filled past kv_len)
             vt_base = gl.load(kv_tok_indptr + gl.load(work + 2 * w))
+        if Q_TMA:  # the item's query rows, once every q.K^T of the previous item has read the buffer
+            _fetch_q(q_desc, q_smem, q_ready, q_empty, items, q_start + tile * (BLOCK_M // GROUP), kvh, GROUP)
+            items += 1
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
         if n_blocks > 0:
             rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
@@ -209,7 +228,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              kv_descale_stride, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr,
-             turn, CID: gl.constexpr):
+             turn, CID: gl.constexpr, q_ready, q_empty, Q_TMA: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[1]
     nw: gl.constexpr = gl.num_warps()
@@ -236,17 +255,23 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         mbarrier.arrive(turn.index(0), count=1)
     turns = 0
     done = 0
+    items = 0
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
-        r_io = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
-        d_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-        tok_io = r_io // GROUP
-        q_off = (q_start + tok_io).to(gl.int64) * stride_qt + (kvh * GROUP + r_io % GROUP).to(gl.int64) * stride_qh
-        q = gl.load(Q + q_off[:, None] + d_io[None, :], mask=(tok_io < qo_len)[:, None], other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-        gl.thread_barrier()
+        if Q_TMA:  # the producer's copy (_fetch_q)
+            mbarrier.wait(q_ready, items & 1)
+            items += 1
+        else:
+            r_io = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+            d_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+            tok_io = r_io // GROUP
+            q_off = (q_start + tok_io).to(gl.int64) * stride_qt + (kvh * GROUP + r_io % GROUP).to(gl.int64) * \
+                stride_qh
+            q = gl.load(Q + q_off[:, None] + d_io[None, :], mask=(tok_io < qo_len)[:, None], other=0.0)
+            q_smem.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
 
         rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=row_layout)
         tok = rows // GROUP
@@ -290,6 +315,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                        row_qk_scale, p_layout, dtype, CAUSAL, FP8)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
                 mbarrier.arrive(v_empty.index(st), count=1)
+            if Q_TMA:  # every q.K^T of the item has completed: the producer may fetch the next item's q
+                mbarrier.arrive(q_empty, count=1)
             g = done + n_blocks - 1
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -297,6 +324,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
+        elif Q_TMA:
+            mbarrier.arrive(q_empty, count=1)
         done += n_blocks
 
         # attention._finish, op for op
@@ -311,7 +340,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
             l_off = (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rows % GROUP).to(gl.int64) * stride_lh
             gl.store(LSE + l_off, lse, mask=row_ok)
-        gl.thread_barrier()  # every row's q read from q_smem before the next item overwrites it
+        if not Q_TMA:
+            gl.thread_barrier()  # every row's q read from q_smem before the next item overwrites it
 
 
 @gluon.jit
@@ -322,17 +352,18 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     q_descale_stride, kv_descale_stride,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-                    FP8: gl.constexpr, turn):
+                    FP8: gl.constexpr, turn, q_ready, q_empty, Q_TMA: gl.constexpr):
     _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
              kv_descale_stride, BLOCK_M // 2,
-             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 1)
+             GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 1, q_ready, q_empty,
+             Q_TMA)
 
 
 @gluon.jit
-def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
+def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                       work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                       k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols,
@@ -340,7 +371,7 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
                       kv_tok_indptr, q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr):
+                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr):
     """FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
     operand order fp8 wgmma reads), q/k/v descales as prefill_kernel's FP8_QKV."""
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -364,23 +395,30 @@ def prefill_ws_kernel(Q, k_desc, v_desc, O, LSE,
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose turn to issue
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer group
     gl.warp_specialize([
         (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
                     kv_descale_stride, 0,
-                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 0)),
+                    GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 0, q_ready,
+                    q_empty, Q_TMA)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
                            q_descale_stride, kv_descale_stride,
-                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn)),
-        (_produce, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                           GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, q_ready,
+                           q_empty, Q_TMA)),
+        (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
-                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8)),
+                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8, Q_TMA)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -444,6 +482,23 @@ def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int
     return ok_pages and head_dim in HEAD_DIMS and _capability(device) == (9, 0)
 
 
+def _q_descriptor(q: torch.Tensor, group: int, head_dim: int):
+    """q as [tokens, heads, dim] for _fetch_q, or None (the consumers load q themselves) where a consumer
+    group's 64 rows are not whole tokens or q's strides do not suit TMA. SERVEATTN_PREFILL_WS_QTMA=0: never."""
+    if os.environ.get("SERVEATTN_PREFILL_WS_QTMA", "1") != "1" or (BLOCK_M.value // 2) % group:
+        return None
+    es = q.element_size()
+    if q.stride(2) != 1 or (q.stride(0) * es) % 16 or (q.stride(1) * es) % 16 or q.data_ptr() % 16:
+        return None
+    box = [BLOCK_M.value // 2 // group, group, head_dim]
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), box, _q_layout(tuple(box), q.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _q_layout(box, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype])
+
+
 def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
     """Whether this call's kind is the warp-specialized kernel's (launch() still checks the cache's strides);
     otherwise the call takes prefill_kernel, which gives the same bits. as_ragged: for the plan's keys copied
@@ -499,14 +554,15 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         descale_args = (plan.work,) * 4 + (0, 0)
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
+    q_desc = _q_descriptor(q, plan.group, plan.head_dim)
     prefill_ws_kernel[(grid0, plan.num_kv_heads)](
-        q, k_desc, v_desc, out, lse_arg,
+        q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
         plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
         k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
         qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
-        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8,
+        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8, Q_TMA=q_desc is not None,
         num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
