@@ -115,11 +115,14 @@ def _fetch_q(q_desc, q_smem, q_ready, q_empty, items, tok0, kvh, GROUP: gl.const
     next request as their values: rows that are never stored."""
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    mbarrier.wait(q_empty, (items & 1) ^ 1)
-    mbarrier.expect(q_ready, BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8)
+    buf = items % 2  # two items' buffers: the one freed by item - 2 is long free, so this never holds up K/V
+    mbarrier.wait(q_empty.index(buf), ((items // 2) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(buf), BLOCK_M * HEAD_DIM * q_smem.dtype.primitive_bitwidth // 8)
     for c in gl.static_range(2):
-        box = q_smem.index(c)._reinterpret(q_smem.dtype, [ROWS // GROUP, GROUP, HEAD_DIM], q_desc.layout)
-        tma.async_copy_global_to_shared(q_desc, [tok0 + c * (ROWS // GROUP), kvh * GROUP, 0], q_ready, box)
+        box = q_smem.index(buf * 2 + c)._reinterpret(q_smem.dtype, [ROWS // GROUP, GROUP, HEAD_DIM],
+                                                     q_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [tok0 + c * (ROWS // GROUP), kvh * GROUP, 0], q_ready.index(buf),
+                                        box)
 
 
 @gluon.jit
@@ -230,7 +233,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr,
              turn, CID: gl.constexpr, q_ready, q_empty, Q_TMA: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
-    HEAD_DIM: gl.constexpr = q_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
     nw: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_smem.dtype
     K_STEP: gl.constexpr = 256 // dtype.primitive_bitwidth  # a wgmma's k: 32 bytes of each operand row
@@ -259,17 +262,18 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
-        if Q_TMA:  # the producer's copy (_fetch_q)
-            mbarrier.wait(q_ready, items & 1)
-            items += 1
+        if Q_TMA:  # the producer's copy (_fetch_q), into this item's buffer of the two
+            q_buf = q_smem.index((items % 2) * 2 + CID)
+            mbarrier.wait(q_ready.index(items % 2), (items // 2) & 1)
         else:
+            q_buf = q_smem.index(CID)
             r_io = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
             d_io = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
             tok_io = r_io // GROUP
             q_off = (q_start + tok_io).to(gl.int64) * stride_qt + (kvh * GROUP + r_io % GROUP).to(gl.int64) * \
                 stride_qh
             q = gl.load(Q + q_off[:, None] + d_io[None, :], mask=(tok_io < qo_len)[:, None], other=0.0)
-            q_smem.store(q)
+            q_buf.store(q)
             fence_async_shared()
             gl.thread_barrier()
 
@@ -289,7 +293,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             # is in its softmax), then this group's softmax of block j+1 while both run.
             st = done % STAGES
             mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
+            s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
                               s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
@@ -302,7 +306,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 nst = (g + 1) % STAGES
                 mbarrier.wait(turn.index(CID), turns & 1)
                 mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
-                s = warpgroup_mma(q_smem, k_smem.index(nst).permute((1, 0)),
+                s = warpgroup_mma(q_buf, k_smem.index(nst).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, FP8)
@@ -315,8 +319,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                        row_qk_scale, p_layout, dtype, CAUSAL, FP8)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
                 mbarrier.arrive(v_empty.index(st), count=1)
-            if Q_TMA:  # every q.K^T of the item has completed: the producer may fetch the next item's q
-                mbarrier.arrive(q_empty, count=1)
+            if Q_TMA:  # every q.K^T of the item has completed: the producer may refill the buffer
+                mbarrier.arrive(q_empty.index(items % 2), count=1)
             g = done + n_blocks - 1
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -325,8 +329,9 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
         elif Q_TMA:
-            mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty.index(items % 2), count=1)
         done += n_blocks
+        items += 1
 
         # attention._finish, op for op
         empty = l_i == 0.0
@@ -353,7 +358,7 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
                     FP8: gl.constexpr, turn, q_ready, q_empty, Q_TMA: gl.constexpr):
-    _consume(q_smem.index(1), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+    _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
@@ -377,7 +382,8 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
     dtype: gl.constexpr = Q.dtype.element_ty
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_layout)
+    # [item buffer, consumer group]: two items' q with the producer's copies, one the consumers load themselves
+    q_smem = gl.allocate_shared_memory(dtype, [4 if Q_TMA else 2, BLOCK_M // 2, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     if FP8:  # V^T tiles
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
@@ -395,12 +401,13 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: whose turn to issue
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer group
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer group
     gl.warp_specialize([
-        (_consume, (q_smem.index(0), k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        (_consume, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
