@@ -130,16 +130,17 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
              work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
              k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr, V_T: gl.constexpr, Q_TMA: gl.constexpr):
-    kvh = gl.program_id(1)
-    num_work = gl.load(num_work_ptr)
-    k_row = kvh * k_head_rows
-    k_col = kvh * k_head_cols
-    v_row = kvh * v_head_rows
-    v_col = kvh * v_head_cols
+             CAUSAL: gl.constexpr, V_T: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
+    num_tasks = gl.load(num_work_ptr) * KV_HEADS
     done = 0  # blocks of earlier work items: the ring's stage and phase run on across items
     items = 0
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for t in range(gl.program_id(0), num_tasks, gl.num_programs(0)):
+        w = t // KV_HEADS
+        kvh = t % KV_HEADS
+        k_row = kvh * k_head_rows
+        k_col = kvh * k_head_cols
+        v_row = kvh * v_head_rows
+        v_col = kvh * v_head_cols
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
         vt_base = 0
@@ -231,7 +232,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              kv_descale_stride, row0,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
              RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr,
-             turn, CID: gl.constexpr, q_ready, q_empty, Q_TMA: gl.constexpr):
+             turn, CID: gl.constexpr, q_ready, q_empty, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
     ROWS: gl.constexpr = BLOCK_M // 2
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     nw: gl.constexpr = gl.num_warps()
@@ -246,22 +247,24 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    kvh = gl.program_id(1)
-    num_work = gl.load(num_work_ptr)
+    num_tasks = gl.load(num_work_ptr) * KV_HEADS
     if K_SCALE_PTR:  # a one-element device tensor, read here so a captured graph follows its value
         qk_scale = qk_scale * gl.load(k_scale_ptr)
     if V_SCALE_PTR:
         v_scale = v_scale * gl.load(v_scale_ptr)
-    if FP8:  # descales per tensor (stride 0) or per head: scale_q per row, scale_k / scale_v per program
-        v_scale = v_scale * gl.load(v_descale + kvh * kv_descale_stride) / P_SCALE
     if CID == 1:  # the first consumer group issues first
         mbarrier.arrive(turn.index(0), count=1)
     turns = 0
     done = 0
     items = 0
-    for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for t in range(gl.program_id(0), num_tasks, gl.num_programs(0)):
+        w = t // KV_HEADS
+        kvh = t % KV_HEADS
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
             work, w, qo_indptr, kv_indptr, last_page_len, GROUP, PAGE_SIZE, PAGED, CAUSAL)
+        item_v_scale = v_scale
+        if FP8:  # descales per tensor (stride 0) or per head: scale_q per row, scale_k / scale_v per KV head
+            item_v_scale = v_scale * gl.load(v_descale + kvh * kv_descale_stride) / P_SCALE
         if Q_TMA:  # the producer's copy (_fetch_q), into this item's buffer of the two
             q_buf = q_smem.index((items % 2) * 2 + CID)
             mbarrier.wait(q_ready.index(items % 2), (items // 2) & 1)
@@ -335,7 +338,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
         # attention._finish, op for op
         empty = l_i == 0.0
-        out = out_acc * gl.convert_layout(v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
+        out = out_acc * gl.convert_layout(item_v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
         o_rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_tok = o_rows // GROUP
         o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -357,14 +360,14 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     q_descale_stride, kv_descale_stride,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
-                    FP8: gl.constexpr, turn, q_ready, q_empty, Q_TMA: gl.constexpr):
+                    FP8: gl.constexpr, turn, q_ready, q_empty, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
     _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
              kv_descale_stride, BLOCK_M // 2,
              GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 1, q_ready, q_empty,
-             Q_TMA)
+             Q_TMA, KV_HEADS)
 
 
 @gluon.jit
@@ -376,8 +379,10 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                       kv_tok_indptr, q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr):
-    """FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
+                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
+    """Persistent: each program walks the (work item, KV head) tasks p, p + programs, ... (the plan's work list is
+    costliest first), so a program's producer fetches its next task's q and K/V while the current one ends.
+    FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
     operand order fp8 wgmma reads), q/k/v descales as prefill_kernel's FP8_QKV."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -413,25 +418,30 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
                     kv_descale_stride, 0,
                     GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 0, q_ready,
-                    q_empty, Q_TMA)),
+                    q_empty, Q_TMA, KV_HEADS)),
         (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
                            q_descale_stride, kv_descale_stride,
                            GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, q_ready,
-                           q_empty, Q_TMA)),
+                           q_empty, Q_TMA, KV_HEADS)),
         (_produce, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                     v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
-                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8, Q_TMA)),
+                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8, Q_TMA, KV_HEADS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
@@ -562,7 +572,9 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
     q_desc = _q_descriptor(q, plan.group, plan.head_dim)
-    prefill_ws_kernel[(grid0, plan.num_kv_heads)](
+    # one program per SM (its shared memory allows no second): grid0 x KV heads tasks at most
+    programs = min(grid0 * plan.num_kv_heads, _num_sms(q.device))
+    prefill_ws_kernel[(programs, 1)](
         q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
@@ -571,5 +583,5 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
         RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8, Q_TMA=q_desc is not None,
-        num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
+        KV_HEADS=plan.num_kv_heads, num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
