@@ -572,8 +572,11 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
     q_desc = _q_descriptor(q, plan.group, plan.head_dim)
-    # one program per SM (its shared memory allows no second): grid0 x KV heads tasks at most
-    programs = min(grid0 * plan.num_kv_heads, _num_sms(q.device))
+    # one program per SM (its registers allow no second): grid0 x KV heads tasks at most;
+    # SERVEATTN_PREFILL_WS_PERSISTENT=0 gives every task its own program (measuring only)
+    programs = grid0 * plan.num_kv_heads
+    if os.environ.get("SERVEATTN_PREFILL_WS_PERSISTENT", "1") == "1":
+        programs = min(programs, _num_sms(q.device))
     prefill_ws_kernel[(programs, 1)](
         q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
