@@ -24,6 +24,10 @@ def main():
     ap.add_argument("--cases", default="1x8192")
     ap.add_argument("--kinds", default="bf16,kv8,fp8")
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_PREFILL_TILES values to sweep")
+    ap.add_argument("--ab", default="", help="';'-separated settings (NAME=value[,NAME=value]), read at launch time (e.g. "
+                    "SERVEATTN_PREFILL_WS_PERSISTENT=1;SERVEATTN_PREFILL_WS_PERSISTENT=0), timed in turn, "
+                    "--rounds times each, on the same inputs in this process")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     tile_sweep.sweep("SERVEATTN_PREFILL_TILES", args.tiles, lambda: probe(args))
 
@@ -55,8 +59,31 @@ def probe(args):
                 fn = lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)  # noqa: E731
             else:
                 fn = lambda: w.run(q, cache)  # noqa: E731
+            if args.ab:
+                ab(case, kind, fn, flops, args.ab.split(";"), args.rounds)
+                continue
             ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             print(f"{case} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+
+
+def ab(case, kind, fn, flops, settings, rounds):
+    """Each setting timed in turn, `rounds` times: one line per setting with every round's TFLOP/s, the median,
+    and its ratio to the first setting's median (interleaving keeps clock drift out of the ratio)."""
+    times = {st: [] for st in settings}
+    for _ in range(rounds):
+        for st in settings:
+            for one in st.split(","):  # NAME=value[,NAME=value...]
+                name, value = one.split("=", 1)
+                os.environ[name] = value
+            fn()
+            times[st].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    base = None
+    for st in settings:
+        med = sorted(times[st])[len(times[st]) // 2]
+        base = base or med
+        rates = " ".join(f"{flops / t / 1e9:.0f}" for t in times[st])
+        print(f"{case} {kind:4s} {st}: {med:.4f} ms {flops / med / 1e9:.0f} TFLOP/s (rounds {rates}) "
+              f"x{base / med:.3f}", flush=True)
 
 
 if __name__ == "__main__":

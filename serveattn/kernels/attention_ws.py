@@ -53,6 +53,26 @@ MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fi
 
 
 @gluon.jit
+def _num_rounds(num_tasks):
+    """Tasks this program takes in _task's order: one a round, plus one of the last, partial round's."""
+    P = gl.num_programs(0)
+    p = gl.program_id(0)
+    full = num_tasks // P
+    rem = num_tasks - full * P
+    last = gl.where(full % 2 == 0, p < rem, p >= P - rem)
+    return full + gl.where(last, 1, 0)
+
+
+@gluon.jit
+def _task(r):
+    """Round r's task of this program: the task list (costliest first) dealt out in a snake, programs 0..P-1 then
+    P-1..0, so every program's total comes out even (a plain stride gives program 0 the costliest of every round)."""
+    P = gl.num_programs(0)
+    p = gl.program_id(0)
+    return r * P + gl.where(r % 2 == 0, p, P - 1 - p)
+
+
+@gluon.jit
 def _item(work, w, qo_indptr, kv_indptr, last_page_len, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
           PAGED: gl.constexpr, CAUSAL: gl.constexpr):
     """A work item's request geometry and its key blocks: blocks [0, n_full) every valid row sees whole,
@@ -134,7 +154,8 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
     num_tasks = gl.load(num_work_ptr) * KV_HEADS
     done = 0  # blocks of earlier work items: the ring's stage and phase run on across items
     items = 0
-    for t in range(gl.program_id(0), num_tasks, gl.num_programs(0)):
+    for r in range(_num_rounds(num_tasks)):
+        t = _task(r)
         w = t // KV_HEADS
         kvh = t % KV_HEADS
         k_row = kvh * k_head_rows
@@ -257,7 +278,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     turns = 0
     done = 0
     items = 0
-    for t in range(gl.program_id(0), num_tasks, gl.num_programs(0)):
+    for r in range(_num_rounds(num_tasks)):
+        t = _task(r)
         w = t // KV_HEADS
         kvh = t % KV_HEADS
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
@@ -380,7 +402,7 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
                       V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
-    """Persistent: each program walks the (work item, KV head) tasks p, p + programs, ... (the plan's work list is
+    """Persistent: each program walks its share of the (work item, KV head) tasks (_task; the plan's work list is
     costliest first), so a program's producer fetches its next task's q and K/V while the current one ends.
     FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
     operand order fp8 wgmma reads), q/k/v descales as prefill_kernel's FP8_QKV."""
