@@ -50,23 +50,27 @@ def probe(args):
         for kind in args.kinds.split(","):
             qd = e4m3 if kind == "fp8" else torch.bfloat16
             kd = torch.bfloat16 if kind == "bf16" else e4m3
-            w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
-            w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd, kv_data_type=kd)
             cache = cache8 if kd == e4m3 else cache8.to(kd)
-            if kind == "fp8":
-                qq = q.to(e4m3)
-                fn = lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)  # noqa: E731
-            else:
-                fn = lambda: w.run(q, cache)  # noqa: E731
+            qq = q.to(e4m3) if kind == "fp8" else q
+
+            def make_fn():  # planned anew for each --ab setting (plan-time knobs such as SERVEATTN_PREFILL_ORDER)
+                w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
+                w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd,
+                       kv_data_type=kd)
+                if kind == "fp8":
+                    return w, lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)
+                return w, lambda: w.run(qq, cache)
+
             if args.ab:
-                ab(case, kind, fn, flops, args.ab.split(";"), args.rounds)
+                ab(case, kind, make_fn, flops, args.ab.split(";"), args.rounds)
                 continue
+            w, fn = make_fn()
             ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
             print(f"{case} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
 
 
-def ab(case, kind, fn, flops, settings, rounds):
+def ab(case, kind, make_fn, flops, settings, rounds):
     """Each setting timed in turn, `rounds` times: one line per setting with every round's TFLOP/s, the median,
     and its ratio to the first setting's median (interleaving keeps clock drift out of the ratio)."""
     times = {st: [] for st in settings}
@@ -75,6 +79,7 @@ def ab(case, kind, fn, flops, settings, rounds):
             for one in st.split(","):  # NAME=value[,NAME=value...]
                 name, value = one.split("=", 1)
                 os.environ[name] = value
+            _, fn = make_fn()
             fn()
             times[st].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     base = None
