@@ -3,8 +3,10 @@
 Triton 3.6's `tl.dot` waits for each wgmma right after issuing it and cannot warp-specialize an attention loop
 on Hopper, so the Triton kernel (attention.py) leaves the tensor cores idle during each block's softmax. This
 kernel writes the FA3 schedule out by hand:
-- a producer warp gathers K and V blocks page by page with TMA (one copy per page into a 2-stage ring,
-  completion counted in bytes on an mbarrier) and waits for the consumers to free a stage;
+- the grid is persistent (one program per SM, each walking its share of the (work item, KV head) tasks), so a
+  producer warp runs from one task into the next: it copies each task's q by TMA into one of two buffers and
+  gathers K and V blocks page by page with TMA (one copy per page into a 2-stage ring, completion counted in
+  bytes on an mbarrier), waiting for the consumers to free a buffer or stage;
 - two consumer warp groups take 64 of the work item's 128 (token, query head) rows each and take turns at the
   tensor cores (FA3's ping-pong): the group holding the turn issues S(j+1) = q.K(j+1)^T and P(j).V(j) back to
   back and passes the turn on, then runs block j+1's softmax while the other group's products run. On the H200
