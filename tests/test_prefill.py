@@ -171,3 +171,30 @@ def test_rejected_plan_leaves_previous_plan_runnable(device):
                q_data_type=torch.bfloat16)
     after = w.run(b.q, b.cache)
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_work_list_keeps_each_request_together_costliest_first(causal):
+    """prefill.build_work: every (request, query tile) once; requests in order of their costliest tile, each
+    request's tiles contiguous and costliest first (the programs in flight then share one request's K/V in L2)."""
+    from serveattn.prefill import build_work
+    group, block_m = 4, 128
+    qo = torch.tensor([64, 0, 300, 10, 300, 33], dtype=torch.int32)
+    kv = torch.tensor([64, 5, 300, 400, 900, 33], dtype=torch.int32)
+    work, n = build_work(qo, kv, group, block_m, causal)
+    pairs = [tuple(p) for p in work.view(-1, 2).tolist()]
+    tiles = [(int(q) * group + block_m - 1) // block_m for q in qo]
+    assert n == len(pairs) == sum(tiles)
+    assert sorted(pairs) == [(r, t) for r in range(len(tiles)) for t in range(tiles[r])]
+
+    def keys(r, t):
+        q, k = int(qo[r]), int(kv[r])
+        return min(k, k - q + min((t + 1) * block_m // group, q)) if causal else k
+
+    reqs = [r for i, (r, _) in enumerate(pairs) if i == 0 or pairs[i - 1][0] != r]
+    assert len(reqs) == len(set(reqs)), "a request's tiles are not contiguous"
+    req_cost = [max(keys(r, t) for t in range(tiles[r])) for r in reqs]
+    assert req_cost == sorted(req_cost, reverse=True)
+    for r in reqs:
+        costs = [keys(r, t) for rr, t in pairs if rr == r]
+        assert costs == sorted(costs, reverse=True)
