@@ -55,7 +55,7 @@ def probe(args):
             cache = cache8 if kd == e4m3 else cache8.to(kd)
             qq = q.to(e4m3) if kind == "fp8" else q
 
-            def make_fn():  # planned anew for each --ab setting (plan-time knobs such as SERVEATTN_PREFILL_ORDER)
+            def make_fn():  # planned anew for each --ab setting (some knobs are read at plan time)
                 w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
                     torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
                 w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd,

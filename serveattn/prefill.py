@@ -131,26 +131,23 @@ def build_work(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, block_m
     """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
-    16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (SERVEATTN_PREFILL_ORDER=cost, measuring only).
+    16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
 
     numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper."""
     qo, kv = qo_lens.numpy(), kv_lens.numpy()
     tiles = (qo * group + block_m - 1) // block_m
     n = int(tiles.sum())
-    req = np.repeat(np.arange(qo.size), tiles)
-    tile = np.arange(n) - np.repeat(np.cumsum(tiles) - tiles, tiles)
-    keys = kv[req]
-    if causal:  # a tile sees keys up to its last row's diagonal
-        keys = np.minimum(keys, keys - qo[req] + np.minimum((tile + 1) * block_m // group, qo[req]))
-    if os.environ.get("SERVEATTN_PREFILL_ORDER") == "cost":
-        order = np.argsort(-keys, kind="stable")  # costliest first; equal costs keep their order
-    else:
-        req_keys = np.zeros(qo.size, dtype=keys.dtype)  # a request's costliest tile: its last (causal or not)
-        has = tiles > 0
-        req_keys[has] = keys[(np.cumsum(tiles) - 1)[has]]
-        order = np.lexsort((-keys, req, -req_keys[req]))  # last key first: request cost, request, tile cost
     work = np.empty((n, 2), dtype=np.int32)
-    work[:, 0], work[:, 1] = req[order], tile[order]
+    # A request's costliest tile is its last, which sees all kv_len keys (causal or not); a later tile never
+    # sees fewer keys than an earlier one, so each request's tiles go last to first.
+    by_cost = np.argsort(-kv, kind="stable")
+    counts = tiles[by_cost]
+    if n == counts.size and n and counts.min() == 1:  # one tile a request (decode through this family)
+        work[:, 0], work[:, 1] = by_cost, 0
+        return torch.from_numpy(work.reshape(-1)), n
+    work[:, 0] = np.repeat(by_cost, counts)
+    ends = np.cumsum(counts)  # one past each request's last position in the list
+    work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
     return torch.from_numpy(work.reshape(-1)), n
 
 
