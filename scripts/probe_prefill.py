@@ -3,10 +3,13 @@ and cache), timing only, so kernel knobs that give up a contract can be measured
 
     PYTHONPATH=$PWD python3 scripts/probe_prefill.py [--cases 1x8192,16x2048] [--kinds bf16,kv8,fp8]
         [--tiles "128,128,8,2;128,256,8,2"]   # sweeps SERVEATTN_PREFILL_TILES in one process
+        [--ab "SERVEATTN_PREFILL_WS_QTMA=1;SERVEATTN_PREFILL_WS_QTMA=0" --rounds 3]   # A/B, settings in turn
 
 Knobs read from the environment: SERVEATTN_PREFILL_TILES=block_m,block_n,warps,stages, SERVEATTN_EARLY_V=0,
 SERVEATTN_FP8_VT=0 (no transposed V copy), SERVEATTN_FAST_WIDEN=0 (Triton's fp8 -> bf16 conversion),
-SERVEATTN_FP8_BOUNDARY=0 (see serveattn/kernels/common.py)."""
+SERVEATTN_FP8_BOUNDARY=0 (see serveattn/kernels/common.py); for the warp-specialized kernel SERVEATTN_PREFILL_WS=0,
+SERVEATTN_PREFILL_WS_FP8=1, SERVEATTN_PREFILL_WS_QTMA=0, SERVEATTN_PREFILL_WS_PERSISTENT=0, SERVEATTN_PREFILL_GATHER=0
+(kernels/attention_ws.py, kernels/attention.py)."""
 import argparse
 import os
 
@@ -24,9 +27,9 @@ def main():
     ap.add_argument("--cases", default="1x8192")
     ap.add_argument("--kinds", default="bf16,kv8,fp8")
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_PREFILL_TILES values to sweep")
-    ap.add_argument("--ab", default="", help="';'-separated settings (NAME=value[,NAME=value]), read at launch time (e.g. "
-                    "SERVEATTN_PREFILL_WS_PERSISTENT=1;SERVEATTN_PREFILL_WS_PERSISTENT=0), timed in turn, "
-                    "--rounds times each, on the same inputs in this process")
+    ap.add_argument("--ab", default="", help="';'-separated settings (NAME=value[,NAME=value]; the wrapper is "
+                    "planned anew for each), e.g. SERVEATTN_PREFILL_WS_PERSISTENT=1;SERVEATTN_PREFILL_WS_PERSISTENT=0,"
+                    " timed in turn, --rounds times each, on the same inputs in this process")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     tile_sweep.sweep("SERVEATTN_PREFILL_TILES", args.tiles, lambda: probe(args))
@@ -74,7 +77,7 @@ def probe(args):
 
 def ab(case, kind, make_fn, flops, settings, rounds):
     """Each setting timed in turn, `rounds` times: one line per setting with every round's TFLOP/s, the median,
-    and its ratio to the first setting's median (interleaving keeps clock drift out of the ratio)."""
+    and the first setting's median time over this one's (interleaving keeps clock drift out of the ratio)."""
     times = {st: [] for st in settings}
     for _ in range(rounds):
         for st in settings:

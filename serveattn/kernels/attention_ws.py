@@ -67,8 +67,9 @@ def _num_rounds(num_tasks):
 
 @gluon.jit
 def _task(r):
-    """Round r's task of this program: the task list (costliest first) dealt out in a snake, programs 0..P-1 then
-    P-1..0, so every program's total comes out even (a plain stride gives program 0 the costliest of every round)."""
+    """Round r's task of this program: the task list (prefill.build_work's order, costliest requests first) dealt
+    out in a snake, programs 0..P-1 then P-1..0, so every program's total comes out even (a plain stride gave
+    program 0 the costliest task of every round)."""
     P = gl.num_programs(0)
     p = gl.program_id(0)
     return r * P + gl.where(r % 2 == 0, p, P - 1 - p)
@@ -169,7 +170,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
         vt_base = 0
         if V_T:  # the request's first column in V^T (padded to whole blocks, zero-filled past kv_len)
             vt_base = gl.load(kv_tok_indptr + gl.load(work + 2 * w))
-        if Q_TMA:  # the item's query rows, once every q.K^T of the previous item has read the buffer
+        if Q_TMA:  # the item's query rows, into the buffer every q.K^T of the item two back has finished with
             _fetch_q(q_desc, q_smem, q_ready, q_empty, items, q_start + tile * (BLOCK_M // GROUP), kvh, GROUP)
             items += 1
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
@@ -362,7 +363,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
         # attention._finish, op for op
         empty = l_i == 0.0
-        out = out_acc * gl.convert_layout(item_v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
+        out_scale = gl.convert_layout(item_v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        out = out_acc * out_scale[:, None]
         o_rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_tok = o_rows // GROUP
         o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -404,8 +406,8 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
                       V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
-    """Persistent: each program walks its share of the (work item, KV head) tasks (_task; the plan's work list is
-    costliest first), so a program's producer fetches its next task's q and K/V while the current one ends.
+    """Persistent: each program walks its share of the (work item, KV head) tasks (_task), so a program's producer
+    fetches its next task's q and K/V while the current one ends.
     FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
     operand order fp8 wgmma reads), q/k/v descales as prefill_kernel's FP8_QKV."""
     dtype: gl.constexpr = Q.dtype.element_ty
