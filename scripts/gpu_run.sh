@@ -34,7 +34,7 @@ OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-420}  # the whole suite took ~330 s with 14 workers in session 9
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-420}  # the whole suite: ~350 s with 16 workers (sessions 9, 10); cold Triton cache
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 BENCH_ARGS=${BENCH_ARGS:-}
 
@@ -86,7 +86,7 @@ step_tests() {
     return 127
   fi
   # -v names every result as it lands: a run cut by its timeout still shows which tests failed.
-  timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest tests -v --tb=line -rf -n ${TEST_WORKERS:-14} -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+  timeout -k 10 "$TESTS_TIMEOUT" python3 -m pytest tests -v --tb=line -rf --durations=40 -n ${TEST_WORKERS:-16} -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 \
     | tee "$OUT/gpu-tests.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 124 ] && echo "tests: stopped by the ${TESTS_TIMEOUT}s timeout"
