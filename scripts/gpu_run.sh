@@ -15,7 +15,7 @@
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
-#   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then prefill_kernel / WS with and without the page copy
+#   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then an in-process A/B of the page copy and the persistent grid
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -170,16 +170,15 @@ step_probe_gluon() {  # the Gluon attention probe (async wgmma overlap): correct
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then how fast per switch
+step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU tests), then A/B of its switches
   {
-    timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_ws_gpu.py tests/test_fp8_attention.py \
-      2>&1 | grep -v Warning | tail -25
-    # kv8: an fp8 cache widened for the kernel; SERVEATTN_PREFILL_GATHER=0: bf16 pages read in place
-    local cases=1x4096,1x8192,1x16384,16x2048
-    for run in "SERVEATTN_PREFILL_WS=0:bf16,fp8" "SERVEATTN_PREFILL_WS=1:bf16,kv8,fp8" \
-               "SERVEATTN_PREFILL_WS_FP8=1:fp8" "SERVEATTN_PREFILL_GATHER=0:bf16"; do
-      env "${run%%:*}" timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds "${run#*:}"
-    done
+    timeout 200 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_prefill_ws_gpu.py tests/test_fp8_attention.py \
+      tests/test_gather.py 2>&1 | grep -v Warning | tail -25
+    # settings timed in turn in one process (absolute rates drift between calls; ratios within one hold)
+    local cases=1x4096,1x8192,1x16384,16x2048 g=SERVEATTN_PREFILL_GATHER p=SERVEATTN_PREFILL_WS_PERSISTENT
+    timeout 120 python3 scripts/probe_prefill.py --cases "$cases" --kinds bf16 --ab "$g=1;$g=0;$p=0,$g=1" --rounds 3
+    SERVEATTN_PREFILL_WS_FP8=1 timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds fp8
+    SERVEATTN_PREFILL_WS=0 timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds bf16,fp8
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"
   return "${PIPESTATUS[0]}"
 }
