@@ -176,7 +176,7 @@ step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU
       tests/test_gather.py 2>&1 | grep -v Warning | tail -25
     # settings timed in turn in one process (absolute rates drift between calls; ratios within one hold)
     local cases=1x4096,1x8192,1x16384,16x2048 g=SERVEATTN_PREFILL_GATHER p=SERVEATTN_PREFILL_WS_PERSISTENT
-    timeout 120 python3 scripts/probe_prefill.py --cases "$cases" --kinds bf16 --ab "$g=1;$g=0;$p=0,$g=1" --rounds 3
+    timeout 120 python3 scripts/probe_prefill.py --cases "$cases" --kinds bf16 --ab "$g=1,$p=1;$g=0,$p=1;$g=1,$p=0" --rounds 3
     SERVEATTN_PREFILL_WS_FP8=1 timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds fp8
     SERVEATTN_PREFILL_WS=0 timeout 90 python3 scripts/probe_prefill.py --cases "$cases" --kinds bf16,fp8
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-ws.txt"

@@ -77,7 +77,8 @@ def probe(args):
 
 def ab(case, kind, make_fn, flops, settings, rounds):
     """Each setting timed in turn, `rounds` times: one line per setting with every round's TFLOP/s, the median,
-    and the first setting's median time over this one's (interleaving keeps clock drift out of the ratio)."""
+    and the first setting's median time over this one's (interleaving keeps clock drift out of the ratio).
+    A setting's variables stay set for the next one: name every variable the settings vary in each of them."""
     times = {st: [] for st in settings}
     for _ in range(rounds):
         for st in settings:
