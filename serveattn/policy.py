@@ -6,8 +6,9 @@ Each message names the entry point, the argument, the value received and what is
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,6 +27,18 @@ _DTYPE_NAMES = {
     "float8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2, "fp8_e5m2": torch.float8_e5m2, "e5m2": torch.float8_e5m2,
 }
+
+
+def cuda_properties(device: torch.device) -> Tuple[Tuple[int, int], int]:
+    """(compute capability, SM count) of a CUDA device, read from the driver once per device (a properties call
+    costs microseconds, and plan() and run() ask on every call)."""
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index: int) -> Tuple[Tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:

@@ -504,7 +504,7 @@ class _PrefillWrapper:
             return plan.num_work_host
         if plan.device.type != "cuda":
             return 4
-        return 2 * torch.cuda.get_device_properties(plan.device).multi_processor_count
+        return 2 * policy.cuda_properties(plan.device)[1]
 
     # FlashInfer spells run() also as forward() in older releases.
     def forward(self, *args, **kwargs):

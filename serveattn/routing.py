@@ -179,18 +179,17 @@ class DeviceInfo:
     num_sms: int
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_info(index: int) -> DeviceInfo:
-    props = torch.cuda.get_device_properties(index)
-    return DeviceInfo("cuda", (props.major, props.minor), props.multi_processor_count)
-
-
 def device_info(device) -> DeviceInfo:
     """The device type, compute capability and SM count routing reads (tests replace this function)."""
     device = torch.device(device)
     if device.type != "cuda":
         return DeviceInfo(device.type, None, 0)
     return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_info(index: int) -> DeviceInfo:  # built once: a frozen dataclass costs a microsecond a construction
+    return DeviceInfo("cuda", *policy.cuda_properties(torch.device("cuda", index)))
 
 
 def _dtype_or(value, default):

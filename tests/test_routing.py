@@ -577,3 +577,34 @@ def test_cudnn_route_plumbing_with_an_emulated_op(layout, causal, qo_len, kv_len
             if given:
                 assert res[0] is o and res[1] is l_
     assert w.backend == "cudnn" and torch.equal(w.run(q, kk, vv), out)
+
+
+def test_cuda_properties_are_read_once_and_shared(monkeypatch):
+    """policy.cuda_properties: one driver read per device, which routing, the decode split and the prefill kernels
+    all take their capability and SM count from (a fake device here: no GPU needed)."""
+    from types import SimpleNamespace
+
+    from serveattn import decode, policy
+
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(major=9, minor=0, multi_processor_count=132)
+
+    policy._cuda_properties.cache_clear()
+    routing._cuda_info.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    try:
+        assert policy.cuda_properties(torch.device("cuda")) == ((9, 0), 132)
+        assert policy.cuda_properties(torch.device("cuda", 3)) == ((9, 0), 132)
+        assert routing.device_info("cuda:3") == routing.DeviceInfo("cuda", (9, 0), 132)
+        assert decode._num_sms(torch.device("cuda", 3)) == 132
+        from serveattn.kernels import attention_ws
+        assert attention_ws._capability(torch.device("cuda", 3)) == (9, 0)
+        assert attention_ws._num_sms(torch.device("cuda", 3)) == 132
+        assert calls == [3]
+    finally:
+        policy._cuda_properties.cache_clear()
+        routing._cuda_info.cache_clear()

@@ -39,7 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ..policy import FP8_DTYPES
+from ..policy import FP8_DTYPES, cuda_properties
 from .common import LAUNCH_OPTIONS
 from .sizes import cdiv
 
@@ -460,14 +460,12 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
+    return cuda_properties(device)[0]
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return cuda_properties(device)[1]
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
