@@ -473,8 +473,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+def _smem_layout(shape: tuple, dtype: torch.dtype):
+    """A TMA box's shared-memory layout (made once per shape: the descriptors are built on every launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(shape), _GL_DTYPES[dtype])
 
 
 def _fp8_enabled() -> bool:
@@ -510,7 +511,7 @@ def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     rows = cdiv(extent, slot_stride)  # host integers: triton.cdiv is a jit function, microseconds a call
     return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim],
-                            _smem_layout(box, head_dim, t.dtype)), rows
+                            _smem_layout((box, head_dim), t.dtype)), rows
 
 
 def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int]) -> bool:
@@ -531,13 +532,8 @@ def _q_descriptor(q: torch.Tensor, group: int, head_dim: int):
     es = q.element_size()
     if q.stride(2) != 1 or (q.stride(0) * es) % 16 or (q.stride(1) * es) % 16 or q.data_ptr() % 16:
         return None
-    box = [BLOCK_M.value // 2 // group, group, head_dim]
-    return TensorDescriptor(q, list(q.shape), list(q.stride()), box, _q_layout(tuple(box), q.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _q_layout(box, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[dtype])
+    box = (BLOCK_M.value // 2 // group, group, head_dim)
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), list(box), _smem_layout(box, q.dtype))
 
 
 def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
@@ -587,7 +583,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     if fp8:
         v_rows = plan.num_kv_heads * plan.head_dim
         v_desc = TensorDescriptor(vt, [v_rows, vt.shape[-1]], [vt.shape[-1], 1], [plan.head_dim, BLOCK_N.value],
-                                  _smem_layout(plan.head_dim, BLOCK_N.value, vt.dtype))
+                                  _smem_layout((plan.head_dim, BLOCK_N.value), vt.dtype))
         dq, dk, dv = descales
         descale_args = (plan.kv_tok_indptr, dq, dk, dv, int(dq.numel() > 1), int(dk.numel() > 1))
     else:
