@@ -49,7 +49,7 @@ def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int
 
 
 def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16,
-                 rows: int = 16) -> TileConfig:
+                 rows: int = 16, batch_cap: Optional[int] = None) -> TileConfig:
     """BLOCK_N keys per step, warps, pipeline depth (block_m is unused: the tile's rows are the group's query
     heads times the chain's draft tokens, padded; `rows` is that padded count).
     SERVEATTN_DECODE_TILES="16,block_n,warps,stages" overrides the table (for tuning runs only).
@@ -68,6 +68,8 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
         return _TILES_256
     if rows > 16:  # a chain's 32 rows: 4 warps share the rows (not measured yet; 2 warps would hold 2x the state)
         return _TILES_FP8_32 if kv_dtype.itemsize == 1 else _TILES_16BIT_32
+    if batch_cap is not None and batch_cap <= SMALL_BATCH:
+        return _TILES_SMALL_BATCH
     return _TILES_FP8 if kv_dtype.itemsize == 1 else _TILES_16BIT
 
 
@@ -75,6 +77,14 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
 _INTERPRETER_TILES, _TILES_256 = TileConfig(16, 32, 4, 1), TileConfig(16, 64, 4, 3)
 _TILES_16BIT, _TILES_FP8 = TileConfig(16, 64, 2, 4), TileConfig(16, 64, 2, 6)
 _TILES_16BIT_32, _TILES_FP8_32 = TileConfig(32, 64, 4, 4), TileConfig(32, 64, 4, 6)
+# At most SMALL_BATCH requests (the batch capacity under CUDA graphs, which fixes the tiles at capture): split-KV
+# gives every (request, KV head) at most PROGRAMS_PER_SM programs an SM, all resident at once, each a chain of
+# single-buffered DRAM trips; 8 stages keep more of its blocks in flight. 1 x 8192: decode kernel 18.4 -> 16.7 us
+# (session 7's profile, SERVEATTN_DECODE_TILES=16,64,2,8); at 8 x 4096 the same depth cost occupancy (41.6 ->
+# 51 us), hence the bound. Same BLOCK_N and warps as both dtypes' tiles: the bits do not change (the depth
+# never does). SERVEATTN_DECODE_SMALL_BATCH=0 turns it off (measuring only).
+SMALL_BATCH = int(os.environ.get("SERVEATTN_DECODE_SMALL_BATCH", "2"))
+_TILES_SMALL_BATCH = TileConfig(16, 64, 2, 8)
 
 
 @dataclass
@@ -273,7 +283,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
                                 last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1,
-                                q_len=q_len_per_req)
+                                q_len=q_len_per_req,
+                                batch_cap=self._graph_capacity())
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -281,6 +292,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._graph_q_len = q_len_per_req
         self.backend = "triton"
         self._decided(decision)
+
+    def _graph_capacity(self) -> Optional[int]:
+        """Under CUDA graphs the batch capacity (its buffers'), which fixes the tiles from capture on; else None."""
+        buf = self._bufs["last_page_len"]
+        return buf.numel() if self._use_cuda_graph and buf is not None else None
 
     def _decided(self, decision: "routing.Decision") -> None:
         """After a plan is installed: the route's reasons, and under CUDA graphs the route that holds."""
@@ -437,13 +453,15 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
                      disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1,
-                     q_len=1) -> DecodePlan:
+                     q_len=1, batch_cap=None) -> DecodePlan:
     """Host validation and the split-KV schedule; kv_indices None means contiguous (unpaged) K/V."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
     q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
-    tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads))
+    # batch_cap: the batch the tiles are chosen for (under CUDA graphs the capacity: the tiles hold from capture on)
+    tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads),
+                         batch_cap if batch_cap is not None else kv_lens.numel())
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
     return DecodePlan(
