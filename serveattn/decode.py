@@ -79,13 +79,13 @@ _TILES_16BIT, _TILES_FP8 = TileConfig(16, 64, 2, 4), TileConfig(16, 64, 2, 6)
 _TILES_16BIT_32, _TILES_FP8_32 = TileConfig(32, 64, 4, 4), TileConfig(32, 64, 4, 6)
 # At most SMALL_BATCH requests (the batch capacity under CUDA graphs, which fixes the tiles at capture): split-KV
 # gives every (request, KV head) at most PROGRAMS_PER_SM programs an SM, all resident at once, each a chain of
-# single-buffered DRAM trips; a deeper pipeline keeps more of its blocks in flight. 1 x 8192 under a CUDA graph:
-# 0.0279 -> 0.0259 ms with 8 stages (H200, session 11); at 8 x 4096 the same depth cost occupancy (41.6 -> 51 us,
-# session 7), hence the bound. 7 stages, not 8: where Triton buffers both K and V in every stage (group 1,
-# contiguous K/V) 8 stages of 16-bit d128 tiles need 235520 bytes of shared memory, over sm_90's 232448 (seen on
-# the H200); 7 take 6 x 32 KB + 6 KB. Same BLOCK_N and warps as both dtypes' tiles: the bits do not change (the
-# depth never does). SERVEATTN_DECODE_SMALL_BATCH=0 turns it off (measuring only).
-SMALL_BATCH = int(os.environ.get("SERVEATTN_DECODE_SMALL_BATCH", "2"))
+# single-buffered DRAM trips; a deeper pipeline keeps more of its blocks in flight. H200, CUDA graph, session 11:
+# 1 x 8192 0.0288-0.0297 -> 0.0265-0.0268 ms with 7 or 8 stages, but 2 x 8192 0.0366 -> 0.0423 ms (and 8 x 4096
+# 41.6 -> 51 us in session 7), hence one request only. 7 stages, not 8: where Triton buffers both K and V in every
+# stage (group 1, contiguous K/V), 8 stages of 16-bit d128 tiles took 235520 bytes of shared memory, over sm_90's
+# 232448; 7 take 6 x 32 KB + 6 KB. Same BLOCK_N and warps as both dtypes' tiles: the bits do not change (the depth
+# never does). SERVEATTN_DECODE_SMALL_BATCH=0 turns it off (measuring only).
+SMALL_BATCH = int(os.environ.get("SERVEATTN_DECODE_SMALL_BATCH", "1"))
 _TILES_SMALL_BATCH = TileConfig(16, 64, 2, 7)
 
 
