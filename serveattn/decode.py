@@ -114,19 +114,20 @@ class DecodePlan:
                 self.soft_cap, self.sm_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.q_len)
 
 
-def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n: int,
+def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: int,
                  fixed_split_size: Optional[int], disable_split_kv: bool) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n), or None when no request is split."""
-    if disable_split_kv or kv_lens.numel() == 0:
+    if disable_split_kv or kv_lens.size == 0:
         return None
-    max_kv = int(kv_lens.numpy().max())
     if fixed_split_size is not None:
+        max_kv = int(kv_lens.max())
         chunk = -(-fixed_split_size // block_n) * block_n
     else:
-        programs = kv_lens.numel() * num_kv_heads
+        programs = kv_lens.size * num_kv_heads
         target = _programs_per_sm() * num_sms
         if programs >= target:
             return None
+        max_kv = int(kv_lens.max())
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
@@ -135,9 +136,8 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
     return chunk if chunk < max_kv else None
 
 
-def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
+def build_decode_work(kv: np.ndarray, chunk: Optional[int]):
     """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
-    kv = kv_lens.numpy()
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
         work = np.zeros((batch, 4), dtype=np.int32)
@@ -263,17 +263,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
-        kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
+        kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size)
         if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
-            policy.check_causal_lengths(entry, np.full(kv_lens.numel(), q_len_per_req), kv_lens)
-        used = policy.host_view(indices)[: int(indptr[-1])]  # min/max only: no int64 copy
-        if used.size and int(used.min()) < 0:
-            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
+            policy.check_causal_lengths(entry, np.full(kv_lens.size, q_len_per_req), kv_lens)
+        max_page = policy.max_page(entry, policy.host_view(indices)[: int(ip[-1])])
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
-                                last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1,
-                                q_len=q_len_per_req)
+                                last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req)
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -438,7 +435,8 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
                      disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1,
                      q_len=1) -> DecodePlan:
-    """Host validation and the split-KV schedule; kv_indices None means contiguous (unpaged) K/V."""
+    """Host validation and the split-KV schedule (kv_lens: numpy); kv_indices None means contiguous (unpaged)
+    K/V."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -451,7 +449,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.numel(), tiles=tiles, max_page=max_page,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.size, tiles=tiles, max_page=max_page,
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
         num_work=torch.from_numpy(np.array([n], dtype=np.int32)),  # torch.tensor([n]) costs 4x the host time
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
@@ -568,7 +566,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     for name, t in (("k", k), ("v", v)):
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
-    plan = make_decode_plan(entry, q.device, torch.tensor([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
+    plan = make_decode_plan(entry, q.device, np.array([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
                             window_left, logits_soft_cap, q.dtype, k.dtype, None, sm_scale, None, False,
                             kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32))
     need = 4 * plan.num_slots * plan.num_qo_heads * (plan.head_dim + 1)

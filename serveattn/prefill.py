@@ -187,13 +187,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     policy.check_indptr(entry, "qo_indptr", qo_np)
     batch = qo_np.size - 1
     if paged:
-        kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
-        kv_np = policy.host_array(kv_indptr)
-        idx_host = kv_indices if kv_indices.is_cpu else kv_indices.cpu()  # int32 as given: no int64 copy
-        used = idx_host.numpy()[: int(kv_np[-1])]
-        if used.size and int(used.min()) < 0:
-            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
-        max_page = int(used.max()) if used.size else -1
+        kv_lens_np, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size)
+        kv_lens = torch.from_numpy(kv_lens_np)
+        idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
+        idx_host = kv_indices if kv_indices.is_cpu else torch.from_numpy(idx_np)
+        max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])])
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
         kv_np = policy.host_array(kv_indptr)
