@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -98,10 +98,11 @@ class DecodePlan:
     num_work_host: int
     num_slots: int
     chunk: Optional[int]
-    work: torch.Tensor
-    num_work: torch.Tensor
-    req_first_slot: torch.Tensor
-    req_num_slots: torch.Tensor
+    # the schedule: numpy arrays (the plan's own) from make_decode_plan, device tensors once installed
+    work: Union[np.ndarray, torch.Tensor]
+    num_work: Union[np.ndarray, torch.Tensor]
+    req_first_slot: Union[np.ndarray, torch.Tensor]
+    req_num_slots: Union[np.ndarray, torch.Tensor]
     kv_indptr: torch.Tensor
     kv_indices: Optional[torch.Tensor]
     last_page_len: Optional[torch.Tensor]
@@ -137,15 +138,15 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
 
 
 def build_decode_work(kv: np.ndarray, chunk: Optional[int]):
-    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
+    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count: numpy
+    arrays, the plan's own until _install stages them."""
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
         work = np.zeros((batch, 4), dtype=np.int32)
         work[:, 0] = np.arange(batch)
         work[:, 2] = kv
         work[:, 3] = -1
-        return (torch.from_numpy(work.reshape(-1)), batch, torch.from_numpy(np.zeros(batch, dtype=np.int32)),
-                torch.from_numpy(np.zeros(batch, dtype=np.int32)), 0)
+        return work.reshape(-1), batch, np.zeros(batch, dtype=np.int32), np.zeros(batch, dtype=np.int32), 0
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
     index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
@@ -154,9 +155,8 @@ def build_decode_work(kv: np.ndarray, chunk: Optional[int]):
     slots_per_req = np.where(n_chunks > 1, n_chunks, 0)
     first_slot = np.cumsum(slots_per_req) - slots_per_req
     slot = np.where(n_chunks[req] > 1, first_slot[req] + index, -1)
-    work = torch.from_numpy(np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32))
-    return (work, int(req.size), torch.from_numpy(first_slot.astype(np.int32)),
-            torch.from_numpy(slots_per_req.astype(np.int32)), int(slots_per_req.sum()))
+    work = np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32)
+    return work, int(req.size), first_slot.astype(np.int32), slots_per_req.astype(np.int32), int(slots_per_req.sum())
 
 
 def _num_sms(device: torch.device) -> int:
@@ -349,7 +349,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 setattr(plan, name, t)
             self._plan = plan
             return
-        plan = replace(plan, **partials)
+        plan = replace(plan, **partials, **{n: torch.from_numpy(getattr(plan, n)) for n in _OWN_ARRAYS})
         bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
         if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
@@ -451,7 +451,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.size, tiles=tiles, max_page=max_page,
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
-        num_work=torch.from_numpy(np.array([n], dtype=np.int32)),  # torch.tensor([n]) costs 4x the host time
+        num_work=np.array([n], dtype=np.int32),
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len, q_len=q_len)
 
@@ -463,6 +463,7 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
 
 
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
+_OWN_ARRAYS = _PLAN_ARRAYS[:4]  # numpy, built by make_decode_plan, until staged to the device
 
 
 def _to_device(plan: DecodePlan, device) -> DecodePlan:
