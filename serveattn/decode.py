@@ -59,11 +59,11 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     pipelines deeper: an fp8 tile is half the bytes in flight per stage. H200, 2026-12-02, groups 1/4/8
     (docs/runs/2026-12-02T2133-decode-tile-sweep.txt): 64-key blocks on 2 warps beat 128 on 4 for both
     dtypes; bf16 best at 4 stages (0.508 -> 0.495 ms at 64 x 8192, group 4), fp8 at 6 (0.486 -> 0.449)."""
-    override = os.environ.get("SERVEATTN_DECODE_TILES")
-    if override and device.type == "cuda":
-        return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":
         return _INTERPRETER_TILES
+    override = os.environ.get("SERVEATTN_DECODE_TILES")
+    if override:
+        return TileConfig(*map(int, override.split(",")))
     if head_dim == 256:
         return _TILES_256
     if rows > 16:  # a chain's 32 rows: 4 warps share the rows (not measured yet; 2 warps would hold 2x the state)
