@@ -292,18 +292,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
                               tree=None):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
-        tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words."""
+        tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
+        goes to the prefill planner as numpy: this plan's own, valid by construction (make_plan)."""
         policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
         if tree is not None:
             sizes, words = tree
             if sizes.size != batch:
                 policy.refuse(entry, f"tree_parents has {sizes.size} parent arrays for a batch of {batch}.")
-            qo_indptr = torch.zeros(batch + 1, dtype=torch.int32)
-            qo_indptr[1:] = torch.from_numpy(np.cumsum(sizes)).to(torch.int32)
+            qo_indptr = np.zeros(batch + 1, dtype=np.int32)
+            qo_indptr[1:] = np.cumsum(sizes)
             tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
         else:
-            qo_indptr = torch.from_numpy(np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32))
+            qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
         wrapper = self._prefill
         if wrapper is None or not self._use_cuda_graph:

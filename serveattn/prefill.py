@@ -103,7 +103,7 @@ class Plan:
     kv_indices_host: torch.Tensor
     kv_lens_host: torch.Tensor
     mask_host: Optional[torch.Tensor]
-    # device tensors (kernel path)
+    # device tensors (kernel path); make_plan's own arrays are numpy until _commit stages them
     work: Optional[torch.Tensor] = None
     num_work: Optional[torch.Tensor] = None
     qo_indptr: Optional[torch.Tensor] = None
@@ -172,6 +172,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               held: Optional[routing.Decision] = None) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
+    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
+    request, valid by construction).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds)."""
@@ -195,12 +197,16 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
 
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
-    policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
-    qo_np = policy.host_array(qo_indptr)
+    if isinstance(qo_indptr, np.ndarray):  # int32, built by the decode planner: valid by construction
+        qo_np = qo_indptr.astype(np.int64)
+        qo_lens = qo_np[1:] - qo_np[:-1]
+    else:
+        policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
+        qo_np = policy.host_array(qo_indptr)
+        qo_lens = qo_np[1:] - qo_np[:-1]  # int64 from int32: no overflow, so a decrease is a negative length
+        if int(qo_np[0]) != 0 or (qo_lens.size and int(np.minimum.reduce(qo_lens)) < 0):
+            policy.check_indptr(entry, "qo_indptr", qo_np)  # raises the failing check's sentence
     batch = qo_np.size - 1
-    qo_lens = qo_np[1:] - qo_np[:-1]  # int64 from int32: no overflow, so a decrease is a negative length
-    if int(qo_np[0]) != 0 or (batch and int(np.minimum.reduce(qo_lens)) < 0):
-        policy.check_indptr(entry, "qo_indptr", qo_np)  # raises the failing check's sentence
     if paged:
         kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size)
         idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
@@ -263,9 +269,13 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         plan.work, plan.num_work_host = work, n
-        plan.num_work = torch.from_numpy(np.array([n], dtype=np.int32))
+        plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
+        if graph_tiles:  # the CUDA-graph install and the cascade's checks read tensors
+            plan.num_work = torch.from_numpy(plan.num_work)
+            if isinstance(qo_indptr, np.ndarray):
+                plan.qo_indptr = torch.from_numpy(qo_indptr)
         if mask_host is not None:
             plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(*mask_lens), bitorder="little")
         plan.tree_mask = tree_mask

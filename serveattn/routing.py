@@ -562,6 +562,9 @@ class Decision:
         return " ".join(self.reasons) if self.reasons else None
 
 
+# a reasonless decision (explicit backends), one instance each: a frozen dataclass costs a microsecond a plan
+_route = functools.lru_cache(maxsize=None)(Decision)
+
 _FORCED: Dict[str, Optional[str]] = {"prefill": None, "decode": None}
 
 
@@ -606,7 +609,7 @@ def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
     ``held`` (None elsewhere: building it costs a plan microseconds)."""
     policy.check_backend(entry, backend)
     if backend != "auto":
-        return Decision(_explicit(entry, backend, device))
+        return _route(_explicit(entry, backend, device))
     if held is not None:
         return held
     forced_route = _FORCED["prefill"]
@@ -647,13 +650,13 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
     if backend != "auto":
         chosen = _explicit(entry, backend, device)
         if chosen == TORCH:
-            return Decision(TORCH)
+            return _route(TORCH)
         if req.rope and not req.use_tensor_cores:
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
                                       "construct the wrapper with use_tensor_cores=True.")
         if req.use_tensor_cores or not fits_bandwidth_tile(req.q_len_per_req, req.group) or req.tree:
-            return Decision(TRITON, TENSOR_CORE)
-        return Decision(TRITON, BANDWIDTH)
+            return _route(TRITON, TENSOR_CORE)
+        return _route(TRITON, BANDWIDTH)
     if held is not None:
         return held
     forced_route = _FORCED["decode"]
