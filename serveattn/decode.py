@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -59,11 +59,11 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     pipelines deeper: an fp8 tile is half the bytes in flight per stage. H200, 2026-12-02, groups 1/4/8
     (docs/runs/2026-12-02T2133-decode-tile-sweep.txt): 64-key blocks on 2 warps beat 128 on 4 for both
     dtypes; bf16 best at 4 stages (0.508 -> 0.495 ms at 64 x 8192, group 4), fp8 at 6 (0.486 -> 0.449)."""
-    override = os.environ.get("SERVEATTN_DECODE_TILES")
-    if override and device.type == "cuda":
-        return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":
         return _INTERPRETER_TILES
+    override = os.environ.get("SERVEATTN_DECODE_TILES")
+    if override:
+        return TileConfig(*map(int, override.split(",")))
     if head_dim == 256:
         return _TILES_256
     if rows > 16:  # a chain's 32 rows: 4 warps share the rows (not measured yet; 2 warps would hold 2x the state)
@@ -110,10 +110,11 @@ class DecodePlan:
     num_work_host: int
     num_slots: int
     chunk: Optional[int]
-    work: torch.Tensor
-    num_work: torch.Tensor
-    req_first_slot: torch.Tensor
-    req_num_slots: torch.Tensor
+    # the schedule: numpy arrays (the plan's own) from make_decode_plan, device tensors once installed
+    work: Union[np.ndarray, torch.Tensor]
+    num_work: Union[np.ndarray, torch.Tensor]
+    req_first_slot: Union[np.ndarray, torch.Tensor]
+    req_num_slots: Union[np.ndarray, torch.Tensor]
     kv_indptr: torch.Tensor
     kv_indices: Optional[torch.Tensor]
     last_page_len: Optional[torch.Tensor]
@@ -126,19 +127,20 @@ class DecodePlan:
                 self.soft_cap, self.sm_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.q_len)
 
 
-def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n: int,
+def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: int,
                  fixed_split_size: Optional[int], disable_split_kv: bool) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n), or None when no request is split."""
-    if disable_split_kv or kv_lens.numel() == 0:
+    if disable_split_kv or kv_lens.size == 0:
         return None
-    max_kv = int(kv_lens.numpy().max())
     if fixed_split_size is not None:
+        max_kv = int(kv_lens.max())
         chunk = -(-fixed_split_size // block_n) * block_n
     else:
-        programs = kv_lens.numel() * num_kv_heads
+        programs = kv_lens.size * num_kv_heads
         target = _programs_per_sm() * num_sms
         if programs >= target:
             return None
+        max_kv = int(kv_lens.max())
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
@@ -147,17 +149,16 @@ def choose_chunk(kv_lens: torch.Tensor, num_kv_heads: int, num_sms: int, block_n
     return chunk if chunk < max_kv else None
 
 
-def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
-    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count."""
-    kv = kv_lens.numpy()
+def build_decode_work(kv: np.ndarray, chunk: Optional[int]):
+    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count: numpy
+    arrays, the plan's own until _install stages them."""
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
         work = np.zeros((batch, 4), dtype=np.int32)
         work[:, 0] = np.arange(batch)
         work[:, 2] = kv
         work[:, 3] = -1
-        return (torch.from_numpy(work.reshape(-1)), batch, torch.from_numpy(np.zeros(batch, dtype=np.int32)),
-                torch.from_numpy(np.zeros(batch, dtype=np.int32)), 0)
+        return work.reshape(-1), batch, np.zeros(batch, dtype=np.int32), np.zeros(batch, dtype=np.int32), 0
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
     index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
@@ -166,9 +167,8 @@ def build_decode_work(kv_lens: torch.Tensor, chunk: Optional[int]):
     slots_per_req = np.where(n_chunks > 1, n_chunks, 0)
     first_slot = np.cumsum(slots_per_req) - slots_per_req
     slot = np.where(n_chunks[req] > 1, first_slot[req] + index, -1)
-    work = torch.from_numpy(np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32))
-    return (work, int(req.size), torch.from_numpy(first_slot.astype(np.int32)),
-            torch.from_numpy(slots_per_req.astype(np.int32)), int(slots_per_req.sum()))
+    work = np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32)
+    return work, int(req.size), first_slot.astype(np.int32), slots_per_req.astype(np.int32), int(slots_per_req.sum())
 
 
 def _num_sms(device: torch.device) -> int:
@@ -275,17 +275,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
-        kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
+        kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size)
         if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
-            policy.check_causal_lengths(entry, np.full(kv_lens.numel(), q_len_per_req), kv_lens)
-        used = policy.host_view(indices)[: int(indptr[-1])]  # min/max only: no int64 copy
-        if used.size and int(used.min()) < 0:
-            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
+            policy.check_causal_lengths(entry, np.full(kv_lens.size, q_len_per_req), kv_lens)
+        max_page = policy.max_page(entry, policy.host_view(indices)[: int(ip[-1])])
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
-                                last_page_len=last_page_len, max_page=int(used.max()) if used.size else -1,
-                                q_len=q_len_per_req,
+                                last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
                                 batch_cap=self._graph_capacity())
         self._install(entry, plan)
         self._prefill = None
@@ -313,18 +310,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
                               tree=None):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
-        tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words."""
+        tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
+        goes to the prefill planner as numpy: this plan's own, valid by construction (make_plan)."""
         policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
         if tree is not None:
             sizes, words = tree
             if sizes.size != batch:
                 policy.refuse(entry, f"tree_parents has {sizes.size} parent arrays for a batch of {batch}.")
-            qo_indptr = torch.zeros(batch + 1, dtype=torch.int32)
-            qo_indptr[1:] = torch.from_numpy(np.cumsum(sizes)).to(torch.int32)
+            qo_indptr = np.zeros(batch + 1, dtype=np.int32)
+            qo_indptr[1:] = np.cumsum(sizes)
             tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
         else:
-            qo_indptr = torch.from_numpy(np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32))
+            qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
         wrapper = self._prefill
         if wrapper is None or not self._use_cuda_graph:
@@ -370,7 +368,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 setattr(plan, name, t)
             self._plan = plan
             return
-        plan = replace(plan, **partials)
+        plan = replace(plan, **partials, **{n: torch.from_numpy(getattr(plan, n)) for n in _OWN_ARRAYS})
         bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
         if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
@@ -456,14 +454,15 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
                      disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1,
                      q_len=1, batch_cap=None) -> DecodePlan:
-    """Host validation and the split-KV schedule; kv_indices None means contiguous (unpaged) K/V."""
+    """Host validation and the split-KV schedule (kv_lens: numpy); kv_indices None means contiguous (unpaged)
+    K/V."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
     q_dtype, kv_dtype, o_dtype = _dtypes(entry, q_data_type, kv_data_type, o_data_type)
     # batch_cap: the batch the tiles are chosen for (under CUDA graphs the capacity: the tiles hold from capture on)
     tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads),
-                         batch_cap if batch_cap is not None else kv_lens.numel())
+                         batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
     return DecodePlan(
@@ -471,9 +470,9 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.numel(), tiles=tiles, max_page=max_page,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.size, tiles=tiles, max_page=max_page,
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
-        num_work=torch.from_numpy(np.array([n], dtype=np.int32)),  # torch.tensor([n]) costs 4x the host time
+        num_work=np.array([n], dtype=np.int32),
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len, q_len=q_len)
 
@@ -485,6 +484,7 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
 
 
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
+_OWN_ARRAYS = _PLAN_ARRAYS[:4]  # numpy, built by make_decode_plan, until staged to the device
 
 
 def _to_device(plan: DecodePlan, device) -> DecodePlan:
@@ -588,7 +588,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     for name, t in (("k", k), ("v", v)):
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
-    plan = make_decode_plan(entry, q.device, torch.tensor([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
+    plan = make_decode_plan(entry, q.device, np.array([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
                             window_left, logits_soft_cap, q.dtype, k.dtype, None, sm_scale, None, False,
                             kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32))
     need = 4 * plan.num_slots * plan.num_qo_heads * (plan.head_dim + 1)

@@ -6,6 +6,7 @@ state or caller buffer is touched.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -36,12 +37,12 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
 
     max_qo_len=None asks for the configuration that serves any length (CUDA graphs freeze it).
     SERVEATTN_PREFILL_TILES="block_m,block_n,warps,stages" overrides the table (for tuning runs only)."""
-    override = os.environ.get("SERVEATTN_PREFILL_TILES")
-    if override and device.type == "cuda":
-        return TileConfig(*map(int, override.split(",")))
     if device.type != "cuda":  # the interpreter: fewer, larger numpy steps are faster
         block_m = 64 if max_qo_len is None else min(64, max(16, triton_next_pow2(max_qo_len * group)))
-        return TileConfig(block_m, 32, 4, 1)
+        return _tile_config(block_m, 32, 4, 1)
+    override = os.environ.get("SERVEATTN_PREFILL_TILES")
+    if override:
+        return TileConfig(*map(int, override.split(",")))
     # H200 sweep of 2026-12-02 (docs/performance.md, head dim 128): 128x128 tiles, 8 warps; a paged gather
     # pipelines best 2 deep, contiguous K/V 3 deep. Head dim 256 halves the tiles to fit shared memory.
     if head_dim == 256:
@@ -58,7 +59,11 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
         block_m = min(block_m, max(16, triton_next_pow2(max_qo_len * group)))
         if block_m <= 32:
             warps = 4
-    return TileConfig(block_m, block_n, warps, stages)
+    return _tile_config(block_m, block_n, warps, stages)
+
+
+# one instance per configuration (a frozen dataclass costs a microsecond per construction, in every plan)
+_tile_config = functools.lru_cache(maxsize=None)(TileConfig)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -98,7 +103,7 @@ class Plan:
     kv_indices_host: torch.Tensor
     kv_lens_host: torch.Tensor
     mask_host: Optional[torch.Tensor]
-    # device tensors (kernel path)
+    # device tensors (kernel path); make_plan's own arrays are numpy until _commit stages them
     work: Optional[torch.Tensor] = None
     num_work: Optional[torch.Tensor] = None
     qo_indptr: Optional[torch.Tensor] = None
@@ -127,28 +132,36 @@ class Plan:
                 self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.tree_mask_host is not None)
 
 
-def build_work(qo_lens: torch.Tensor, kv_lens: torch.Tensor, group: int, block_m: int, causal: bool):
+def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
     16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
 
-    numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper."""
-    qo, kv = qo_lens.numpy(), kv_lens.numpy()
-    tiles = (qo * group + block_m - 1) // block_m
-    n = int(tiles.sum())
-    work = np.empty((n, 2), dtype=np.int32)
+    numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper. The lengths
+    are host tensors or numpy arrays (the plan's own)."""
+    qo, kv = np.asarray(qo_lens), np.asarray(kv_lens)
     # A request's costliest tile is its last, which sees all kv_len keys (causal or not); a later tile never
     # sees fewer keys than an earlier one, so each request's tiles go last to first.
     by_cost = np.argsort(-kv, kind="stable")
+    shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
+    if _tiles(shortest, group, block_m) == 1 == _tiles(longest, group, block_m):
+        work = np.zeros((qo.size, 2), dtype=np.int32)  # one tile a request (decode through this family)
+        work[:, 0] = by_cost
+        return torch.from_numpy(work.reshape(-1)), qo.size
+    tiles = _tiles(qo, group, block_m)
+    n = int(tiles.sum())
+    work = np.empty((n, 2), dtype=np.int32)
     counts = tiles[by_cost]
-    if n == counts.size and n and counts.min() == 1:  # one tile a request (decode through this family)
-        work[:, 0], work[:, 1] = by_cost, 0
-        return torch.from_numpy(work.reshape(-1)), n
     work[:, 0] = np.repeat(by_cost, counts)
     ends = np.cumsum(counts)  # one past each request's last position in the list
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
     return torch.from_numpy(work.reshape(-1)), n
+
+
+def _tiles(qo_len, group: int, block_m: int):
+    """Query tiles of block_m rows for qo_len rows per head (a number or an array of them)."""
+    return (qo_len * group + block_m - 1) // block_m
 
 
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
@@ -159,6 +172,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               held: Optional[routing.Decision] = None) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
+    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
+    request, valid by construction).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds)."""
@@ -180,51 +195,54 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if custom_mask is not None and packed_custom_mask is not None:
         policy.refuse(entry, "custom_mask and packed_custom_mask were both given; pass one of them.")
 
-    # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one); the plan
-    # keeps torch views of the same int64 arrays.
-    policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
-    qo_np = policy.host_array(qo_indptr)
-    policy.check_indptr(entry, "qo_indptr", qo_np)
+    # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
+    # about a microsecond); the plan keeps torch views of the same int64 arrays.
+    if isinstance(qo_indptr, np.ndarray):  # int32, built by the decode planner: valid by construction
+        qo_np = qo_indptr.astype(np.int64)
+        qo_lens = qo_np[1:] - qo_np[:-1]
+    else:
+        policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
+        qo_np = policy.host_array(qo_indptr)
+        qo_lens = qo_np[1:] - qo_np[:-1]  # int64 from int32: no overflow, so a decrease is a negative length
+        if int(qo_np[0]) != 0 or (qo_lens.size and int(np.minimum.reduce(qo_lens)) < 0):
+            policy.check_indptr(entry, "qo_indptr", qo_np)  # raises the failing check's sentence
     batch = qo_np.size - 1
     if paged:
-        kv_lens = policy.paged_kv_lens(entry, kv_indptr, kv_indices, last_page_len, page_size)
-        kv_np = policy.host_array(kv_indptr)
-        idx_host = kv_indices if kv_indices.is_cpu else kv_indices.cpu()  # int32 as given: no int64 copy
-        used = idx_host.numpy()[: int(kv_np[-1])]
-        if used.size and int(used.min()) < 0:
-            policy.refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
-        max_page = int(used.max()) if used.size else -1
+        kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size)
+        idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
+        idx_host = kv_indices if kv_indices.is_cpu else torch.from_numpy(idx_np)
+        max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])])
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
         kv_np = policy.host_array(kv_indptr)
         policy.check_indptr(entry, "kv_indptr", kv_np)
-        kv_lens = torch.from_numpy(kv_np[1:] - kv_np[:-1])
+        kv_lens = kv_np[1:] - kv_np[:-1]
         idx_host = None
         page_size = 1
         max_page = -1
     if kv_np.size - 1 != batch:
         policy.refuse(entry, f"qo_indptr describes {batch} requests but the KV indptr describes "
                              f"{kv_np.size - 1}.")
-    qo_host, kv_host = torch.from_numpy(qo_np), torch.from_numpy(kv_np)
-    qo_lens_np = qo_np[1:] - qo_np[:-1]
-    qo_lens = torch.from_numpy(qo_lens_np)
-    mask_host = None
+    mask_host = mask_lens = None
     if custom_mask is not None or packed_custom_mask is not None:
-        mask_host = _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens)
+        mask_lens = torch.from_numpy(qo_lens), torch.from_numpy(kv_lens)  # the mask helpers take torch tensors
+        mask_host = _check_mask(entry, custom_mask, packed_custom_mask, *mask_lens)
     elif causal:
         policy.check_causal_lengths(entry, qo_lens, kv_lens)
 
     device = torch.device(device)
-    decision = routing.choose_prefill(entry, backend, routing.prefill_request(
+    # the request's lengths and flags are read only where auto chooses (an explicit or held route reads none)
+    request = routing.prefill_request(
         device, paged=paged, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, head_dim=head_dim,
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal, custom_mask=mask_host is not None,
         tree=tree_mask is not None, window_left=window_left, soft_cap=logits_soft_cap,
-        rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens, kv_lens=kv_lens),
-        device, held)
+        rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens,
+        kv_lens=kv_lens) if backend == "auto" and held is None else None
+    decision = routing.choose_prefill(entry, backend, request, device, held)
     chosen = decision.backend
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
-    max_qo_len = int(qo_lens_np.max()) if batch else 0
+    max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
     max_qo = graph_max_qo if graph_tiles else max_qo_len if batch else 1
     if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
@@ -245,18 +263,21 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_np[-1]),
-        tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=qo_host, kv_indptr_host=kv_host,
-        kv_indices_host=idx_host, kv_lens_host=kv_lens, mask_host=mask_host, tree_mask_host=tree_mask,
-        decision=decision)
+        tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=torch.from_numpy(qo_np),
+        kv_indptr_host=torch.from_numpy(kv_np), kv_indices_host=idx_host, kv_lens_host=torch.from_numpy(kv_lens),
+        mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         plan.work, plan.num_work_host = work, n
-        plan.num_work = torch.from_numpy(np.array([n], dtype=np.int32))
+        plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
+        if graph_tiles:  # the CUDA-graph install and the cascade's checks read tensors
+            plan.num_work = torch.from_numpy(plan.num_work)
+            if isinstance(qo_indptr, np.ndarray):
+                plan.qo_indptr = torch.from_numpy(qo_indptr)
         if mask_host is not None:
-            plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(qo_lens, kv_lens),
-                                                          bitorder="little")
+            plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(*mask_lens), bitorder="little")
         plan.tree_mask = tree_mask
     return plan
 

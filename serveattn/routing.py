@@ -183,13 +183,18 @@ def device_info(device) -> DeviceInfo:
     """The device type, compute capability and SM count routing reads (tests replace this function)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return DeviceInfo(device.type, None, 0)
+        return _host_info(device.type)
     return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_info(index: int) -> DeviceInfo:  # built once: a frozen dataclass costs a microsecond a construction
     return DeviceInfo("cuda", *policy.cuda_properties(torch.device("cuda", index)))
+
+
+@functools.lru_cache(maxsize=None)
+def _host_info(device_type: str) -> DeviceInfo:
+    return DeviceInfo(device_type, None, 0)
 
 
 def _dtype_or(value, default):
@@ -223,17 +228,25 @@ def decode_request(device, *, batch, num_qo_heads, num_kv_heads, head_dim, q_dat
                    pos_encoding_mode, window_left, logits_soft_cap, q_len_per_req, tree, use_tensor_cores,
                    use_cuda_graph) -> Request:
     """The request of a decode plan, read before validation: values policy will refuse become harmless."""
-    info = device_info(device)
     q_dtype = _dtype_or(q_data_type, torch.float16)
-    kv_dtype = _dtype_or(kv_data_type if kv_data_type is not None else q_dtype, q_dtype)
+    return _decode_request(
+        device_info(device), q_dtype, _dtype_or(kv_data_type if kv_data_type is not None else q_dtype, q_dtype),
+        _int_or(head_dim, 0), max(1, _int_or(num_qo_heads, 1)), max(1, _int_or(num_kv_heads, 1)), bool(tree),
+        _int_or(window_left, -1), float(logits_soft_cap) if isinstance(logits_soft_cap, (int, float)) else 0.0,
+        isinstance(pos_encoding_mode, str) and pos_encoding_mode == "ROPE_LLAMA", bool(use_cuda_graph),
+        max(0, int(batch)), _int_or(q_len_per_req, 1), bool(use_tensor_cores))
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _decode_request(info, q_dtype, kv_dtype, head_dim, num_qo_heads, num_kv_heads, tree, window_left, soft_cap,
+                    rope, use_cuda_graph, batch, q_len_per_req, use_tensor_cores) -> Request:
+    """Built once per distinct request (a frozen dataclass of 26 fields costs microseconds per plan); the
+    arguments are normalized plain values, so equal arguments make equal requests."""
     return Request(
         kind="decode", device_type=info.type, arch=info.arch, num_sms=info.num_sms, q_dtype=q_dtype,
-        kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim=_int_or(head_dim, 0),
-        num_qo_heads=max(1, _int_or(num_qo_heads, 1)), num_kv_heads=max(1, _int_or(num_kv_heads, 1)), paged=True,
-        causal=False, tree=bool(tree), window_left=_int_or(window_left, -1),
-        soft_cap=float(logits_soft_cap) if isinstance(logits_soft_cap, (int, float)) else 0.0,
-        rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=bool(use_cuda_graph), batch=max(0, int(batch)),
-        q_len_per_req=_int_or(q_len_per_req, 1), use_tensor_cores=bool(use_tensor_cores))
+        kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        paged=True, causal=False, tree=tree, window_left=window_left, soft_cap=soft_cap, rope=rope,
+        use_cuda_graph=use_cuda_graph, batch=batch, q_len_per_req=q_len_per_req, use_tensor_cores=use_tensor_cores)
 
 
 # ---------------------------------------------------------------- decline reasons: one producer each
@@ -549,6 +562,9 @@ class Decision:
         return " ".join(self.reasons) if self.reasons else None
 
 
+# a reasonless decision (explicit backends), one instance each: a frozen dataclass costs a microsecond a plan
+_route = functools.lru_cache(maxsize=None)(Decision)
+
 _FORCED: Dict[str, Optional[str]] = {"prefill": None, "decode": None}
 
 
@@ -586,12 +602,14 @@ def _auto_done(device, decision: Decision) -> Decision:
     return decision
 
 
-def choose_prefill(entry: str, backend: str, req: Request, device, held: Optional[Decision] = None) -> Decision:
+def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
+                   held: Optional[Decision] = None) -> Decision:
     """The route of a prefill plan: an explicit backend as given (or refused), ``held`` under CUDA graphs, else
-    cuDNN where capable and measured faster, else our kernel, else torch."""
+    cuDNN where capable and measured faster, else our kernel, else torch. ``req`` is read only under auto without
+    ``held`` (None elsewhere: building it costs a plan microseconds)."""
     policy.check_backend(entry, backend)
     if backend != "auto":
-        return Decision(_explicit(entry, backend, device))
+        return _route(_explicit(entry, backend, device))
     if held is not None:
         return held
     forced_route = _FORCED["prefill"]
@@ -632,13 +650,13 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
     if backend != "auto":
         chosen = _explicit(entry, backend, device)
         if chosen == TORCH:
-            return Decision(TORCH)
+            return _route(TORCH)
         if req.rope and not req.use_tensor_cores:
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only; "
                                       "construct the wrapper with use_tensor_cores=True.")
         if req.use_tensor_cores or not fits_bandwidth_tile(req.q_len_per_req, req.group) or req.tree:
-            return Decision(TRITON, TENSOR_CORE)
-        return Decision(TRITON, BANDWIDTH)
+            return _route(TRITON, TENSOR_CORE)
+        return _route(TRITON, BANDWIDTH)
     if held is not None:
         return held
     forced_route = _FORCED["decode"]

@@ -3,7 +3,8 @@
 A plan holds several small arrays (the work list, indptrs, the page table, mask words). Copied one by one,
 each pays a staged host-to-device copy, 10-30 us of host time apiece on the H200 host; packed into one byte
 buffer they pay it once. Tensors already on the device are cloned there (a plan never aliases the caller's
-tensors, which the caller may reuse after plan()).
+tensors, which the caller may reuse after plan()). A numpy array is the plan's own (built for this plan, held by
+nothing else): it joins the packed copy to a CUDA device and becomes a tensor without a copy on the host.
 
 The bytes are packed into page-locked (pinned) host memory, so the copy is queued on the current stream and
 plan() returns without waiting for it. A small ring of pinned buffers is reused; a buffer is refilled only
@@ -12,7 +13,7 @@ in flight.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -62,8 +63,8 @@ def _layout(arrays: Dict[str, np.ndarray]):
     return layout, offset + (-offset % _ALIGN)
 
 
-def _host_arrays(arrays: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    return {name: np.ascontiguousarray(t.numpy()) for name, t in arrays.items()}
+def _host_arrays(arrays: Dict[str, Union[torch.Tensor, np.ndarray]]) -> Dict[str, np.ndarray]:
+    return {name: np.ascontiguousarray(t if isinstance(t, np.ndarray) else t.numpy()) for name, t in arrays.items()}
 
 
 def _fill(dst: np.ndarray, arrays: Dict[str, np.ndarray], layout) -> None:
@@ -94,15 +95,22 @@ def unpack(blob: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
     return out
 
 
-def to_device(arrays: Dict[str, Optional[torch.Tensor]], device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
-    """name -> tensor (or None) to name -> a copy of it on `device`: host tensors in one packed copy to a CUDA
-    device, every other tensor copied on its own."""
+def to_device(arrays: Dict[str, Union[torch.Tensor, np.ndarray, None]],
+              device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
+    """name -> tensor, the plan's own numpy array, or None, to name -> a copy of it on `device` (None stays None):
+    host arrays in one packed copy to a CUDA device, every other tensor copied on its own, and on the host the
+    plan's own arrays wrapped as they are (torch.from_numpy: no copy)."""
     device = torch.device(device)
     out: Dict[str, Optional[torch.Tensor]] = {}
     host = {}
     for name, t in arrays.items():
         if t is None:
             out[name] = None
+        elif isinstance(t, np.ndarray):
+            if device.type == "cuda":
+                host[name] = t
+            else:
+                out[name] = torch.from_numpy(t) if device.type == "cpu" else torch.from_numpy(t).to(device)
         elif device.type == "cuda" and t.device.type == "cpu":
             host[name] = t
         else:
