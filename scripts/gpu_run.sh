@@ -15,8 +15,9 @@
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
-#   scripts/gpu_run.sh probe-decode-small-batch  # decode at <= 2 requests: 8 stages against the usual tiles
+#   scripts/gpu_run.sh probe-decode-small-batch  # decode of one request: 7 stages against the usual tiles
 #   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then an in-process A/B of the page copy and the persistent grid
+#   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -45,8 +46,8 @@ for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch" >&2; exit 2 ;;
+    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile" >&2; exit 2 ;;
   esac
 done
 
@@ -184,16 +185,22 @@ step_probe_prefill_ws() {  # the warp-specialized prefill kernel: right (its GPU
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_decode_small_batch() {  # decode.SMALL_BATCH (8 stages at <= 2 requests) against the usual tiles
+step_probe_decode_small_batch() {  # decode.SMALL_BATCH (7 stages for one request) against the usual tiles
   {
     timeout 200 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gpu.py tests/test_decode.py \
       tests/test_fp8_kv.py -k "decode" 2>&1 | grep -v Warning | tail -15
-    for sb in 2 0 2 0; do
+    for sb in 1 0 1 0; do
       echo "== SERVEATTN_DECODE_SMALL_BATCH=$sb"
       SERVEATTN_DECODE_SMALL_BATCH=$sb timeout 100 python3 -m serveattn.bench decode --cases 1x8192,8x4096 \
         --peers cudnn --ours cc,cc-graph --passes 2
     done
   } 2>&1 | grep -E "^==|^\| (1|8)x|passed|failed" | tee "$OUT/probe-decode-small-batch.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_prefill_profile() {  # paged (page copy + ragged kernel) against ragged: where the gap goes
+  timeout 120 python3 scripts/probe_prefill_profile.py --cases 16x2048,1x8192 2>&1 | grep -v "backend='auto'" \
+    | tee "$OUT/probe-prefill-profile.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -230,6 +237,7 @@ for s in "${STEPS[@]}"; do
     probe-fusion) step_probe_fusion ;;
     probe-gluon) step_probe_gluon ;;
     probe-prefill-ws) step_probe_prefill_ws ;;
+    probe-prefill-profile) step_probe_prefill_profile ;;
     probe-decode-small-batch) step_probe_decode_small_batch ;;
   esac
   RC[$s]=$?
