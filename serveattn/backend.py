@@ -33,7 +33,7 @@ def resolve(entry: str, backend: str, device: torch.device) -> str:
         policy.unsupported(entry, f"backend='triton' needs CUDA tensors (got {device}); use backend='torch' "
                                   f"or 'auto' on the CPU, or set TRITON_INTERPRET=1 before import to run the "
                                   f"kernels through Triton's interpreter.")
-    if backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+    if backend == "triton" and device.type == "cuda" and policy.cuda_properties(device)[0][0] < 8:
         policy.unsupported(entry, f"backend='triton' needs a GPU of compute capability 8.0 or newer "
-                                  f"(got {torch.cuda.get_device_capability(device)}).")
+                                  f"(got {policy.cuda_properties(device)[0]}).")
     return backend

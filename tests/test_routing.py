@@ -604,7 +604,26 @@ def test_cuda_properties_are_read_once_and_shared(monkeypatch):
         from serveattn.kernels import attention_ws
         assert attention_ws._capability(torch.device("cuda", 3)) == (9, 0)
         assert attention_ws._num_sms(torch.device("cuda", 3)) == 132
+        from serveattn import backend
+        assert backend.resolve("plan", "triton", torch.device("cuda", 3)) == "triton"
         assert calls == [3]
     finally:
         policy._cuda_properties.cache_clear()
         routing._cuda_info.cache_clear()
+
+
+def test_triton_refuses_a_gpu_older_than_sm80(monkeypatch):
+    """backend='triton' on a compute-capability-7.x device: refused with the sentence (a fake device, from the one
+    cached capability read)."""
+    from types import SimpleNamespace
+
+    from serveattn import backend, policy
+
+    policy._cuda_properties.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(major=7, minor=5, multi_processor_count=40))
+    try:
+        with pytest.raises(NotImplementedError, match=r"compute capability 8\.0 or newer \(got \(7, 5\)\)"):
+            backend.resolve("plan", "triton", torch.device("cuda", 0))
+    finally:
+        policy._cuda_properties.cache_clear()
