@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..policy import FP8_DTYPES, cuda_properties
-from .common import LAUNCH_OPTIONS
+from .common import LAUNCH_OPTIONS, SOFTMAX_FMA
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
@@ -207,7 +207,9 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
     rescale factor, m_i, l_i. prefill_kernel's _attend, op for op. FP8: qk_scale is a per-row column (descales
     per head) and P goes to the tensor cores as P * P_SCALE in e4m3."""
     BN: gl.constexpr = s.shape[1]
-    if FP8:
+    if SOFTMAX_FMA:  # common.SOFTMAX_FMA: scaled inside the fma below, the row max taken on the raw logits
+        x = s
+    elif FP8:
         x = s * qk_scale[:, None]
     else:
         x = s * qk_scale
@@ -217,10 +219,18 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if CAUSAL:
             visible = visible & (n[None, :] <= (delta + tok)[:, None])
         x = gl.where(visible, x, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(x, 1))
+    if SOFTMAX_FMA:
+        m_new = gl.maximum(m_i, gl.max(x, 1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(x, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(x - m_safe[:, None])
+    if SOFTMAX_FMA and FP8:
+        p = gl.exp2(gl.fma(x, qk_scale[:, None], -m_safe[:, None]))
+    elif SOFTMAX_FMA:
+        p = gl.exp2(gl.fma(x, qk_scale, -m_safe[:, None]))
+    else:
+        p = gl.exp2(x - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     l_i = l_i * alpha + gl.sum(p, 1)
     if FP8:
