@@ -46,6 +46,7 @@ from .sizes import cdiv
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
 P_SCALE = gl.constexpr(256.0)  # fp8 attention: attention.P_SCALE (P * 256 rounded to e4m3 for P.V)
+LOG2_P_SCALE = gl.constexpr(8.0)
 HEAD_DIMS = (64, 128)  # served head dims (the kernels read theirs from the tiles' shapes)
 # K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
 STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
@@ -225,15 +226,20 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         m_new = gl.maximum(m_i, gl.max(x, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if SOFTMAX_FMA and FP8:
-        p = gl.exp2(gl.fma(x, qk_scale[:, None], -m_safe[:, None]))
+    if SOFTMAX_FMA and FP8:  # P_SCALE folded into the exponent, as prefill_kernel's FOLD
+        p = gl.exp2(gl.fma(x, qk_scale[:, None], (-m_safe + LOG2_P_SCALE)[:, None]))
     elif SOFTMAX_FMA:
         p = gl.exp2(gl.fma(x, qk_scale, -m_safe[:, None]))
     else:
         p = gl.exp2(x - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    if FP8:
+    if SOFTMAX_FMA and FP8:
+        l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 1)
+    if SOFTMAX_FMA and FP8:
+        p_op = p.to(gl.float8e4nv)
+    elif FP8:
         p_op = (p * P_SCALE).to(gl.float8e4nv)
     else:
         p_op = p.to(dtype)
