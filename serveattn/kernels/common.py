@@ -31,7 +31,8 @@ _WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "1")
 FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
 # SERVEATTN_SOFTMAX_FMA=1: the logit scale and the row max folded into one fma before exp2, the row max taken on
 # the unscaled logits (assumes a positive scale), in prefill_kernel and the warp-specialized kernel alike (they
-# stay bitwise equal); measuring only until the GPU suite has run with it (bf16 prefill_kernel +2%, session 5).
+# stay bitwise equal), and for fp8 attention P_SCALE folded into that fma's exponent; measuring only until the
+# GPU suite has run with it (bf16 prefill_kernel +2%, session 5).
 SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA", "0") == "1")
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
