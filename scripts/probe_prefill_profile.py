@@ -10,29 +10,15 @@ device time per call, and the sum of kernel time: a per-call time above that sum
 (host-bound launches, a synchronizing call) or spent on work outside our kernels.
 """
 import argparse
-import collections
 
 import torch
 import triton.testing
-from torch.profiler import ProfilerActivity, profile
 
 import serveattn
+from probe_decode_profile import kernel_times  # scripts/, beside this file
 from serveattn.bench.common import raise_clocks
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-
-
-def kernel_times(fn, reps):
-    """{kernel name: (calls per fn call, mean us per call)} from the profiler's device events."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    acc = collections.defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            acc[ev.name[:70]].append(ev.device_time_total)
-    return {k: (len(v) / reps, sum(v) / len(v)) for k, v in acc.items()}
 
 
 def report(label, fn, reps=20):
