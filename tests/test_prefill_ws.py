@@ -110,15 +110,15 @@ print("ok")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
-def test_fp8_attention_takes_the_kernel_only_when_asked(monkeypatch):
-    """fp8 attention on the warp-specialized kernel is off unless SERVEATTN_PREFILL_WS_FP8=1 (slower than
-    prefill_kernel's fp8 tiles on the H200); asked for, a plan gets its tiles only where it will serve: V^T made
-    (more than one 128-row query tile), TMA-friendly pages, head dim 64 or 128, sm_90."""
+def test_fp8_attention_takes_the_kernel_where_it_serves(monkeypatch):
+    """fp8 attention takes the warp-specialized kernel unless SERVEATTN_PREFILL_WS_FP8=0, and only where it will
+    serve: V^T made (more than one 128-row query tile), TMA-friendly pages, head dim 64 or 128, sm_90."""
     monkeypatch.setattr(ws, "_capability", lambda device: (9, 0))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "0")
     assert not ws.takes_fp8(cuda, 128, 16, 4096)
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "1")
+    monkeypatch.delenv("SERVEATTN_PREFILL_WS_FP8")  # the default
     assert ws.takes_fp8(cuda, 128, 16, 4096) and ws.takes_fp8(cuda, 64, None, 4096)
     assert not ws.takes_fp8(cuda, 128, 16, 128)  # one query tile: no V^T
     assert not ws.takes_fp8(cuda, 128, 16, None)  # CUDA graphs: no V^T

@@ -495,10 +495,10 @@ def _smem_layout(shape: tuple, dtype: torch.dtype):
 
 
 def _fp8_enabled() -> bool:
-    """SERVEATTN_PREFILL_WS_FP8=1: fp8 attention (fp8 q and K/V) on this kernel. Off by default: right (bitwise
-    prefill_kernel's result on the H200) but 0.90-0.96x of prefill_kernel's fp8 tiles (64 x 128, two CTAs an SM)
-    in one run (session 9, docs/performance.md); for measuring until it is faster."""
-    return os.environ.get("SERVEATTN_PREFILL_WS_FP8", "0") == "1"
+    """fp8 attention (fp8 q and K/V) on this kernel: on since session 12, where with the softmax fma (common.py)
+    it ran 1.02-1.09x prefill_kernel's fp8 tiles (H200, alternating processes); SERVEATTN_PREFILL_WS_FP8=0 keeps
+    fp8 attention on prefill_kernel (the same bits)."""
+    return os.environ.get("SERVEATTN_PREFILL_WS_FP8", "1") == "1"
 
 
 def _enabled() -> bool:
