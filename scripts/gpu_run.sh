@@ -18,6 +18,7 @@
 #   scripts/gpu_run.sh probe-decode-small-batch  # decode of one request: 7 stages against the usual tiles
 #   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then an in-process A/B of the page copy and the persistent grid
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
+#   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -46,8 +47,8 @@ for s in "${STEPS[@]}"; do
   case "$s" in
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile" >&2; exit 2 ;;
+    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma" >&2; exit 2 ;;
   esac
 done
 
@@ -204,6 +205,21 @@ step_probe_prefill_profile() {  # paged (page copy + ragged kernel) against ragg
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_softmax_fma() {  # scale and row max in one fma, in both prefill kernels (bits change, both alike)
+  {
+    SERVEATTN_SOFTMAX_FMA=1 timeout 240 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_prefill_ws_gpu.py \
+      tests/test_fp8_attention.py tests/test_prefill_gpu.py tests/test_prefill.py 2>&1 | grep -v Warning | tail -15
+    for f in 1 0 1 0; do  # a module constant: one process per setting, alternating
+      echo "== SERVEATTN_SOFTMAX_FMA=$f"
+      # bf16: the warp-specialized kernel; fp8: prefill_kernel, then fp8 on the warp-specialized kernel
+      SERVEATTN_SOFTMAX_FMA=$f timeout 80 python3 scripts/probe_prefill.py --cases 1x8192,1x16384,16x2048 --kinds bf16,fp8
+      SERVEATTN_SOFTMAX_FMA=$f SERVEATTN_PREFILL_WS_FP8=1 timeout 80 python3 scripts/probe_prefill.py \
+        --cases 1x8192,1x16384,16x2048 --kinds fp8
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-softmax-fma.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -238,6 +254,7 @@ for s in "${STEPS[@]}"; do
     probe-gluon) step_probe_gluon ;;
     probe-prefill-ws) step_probe_prefill_ws ;;
     probe-prefill-profile) step_probe_prefill_profile ;;
+    probe-softmax-fma) step_probe_softmax_fma ;;
     probe-decode-small-batch) step_probe_decode_small_batch ;;
   esac
   RC[$s]=$?

@@ -13,11 +13,14 @@ from serveattn.kernels import attention_ws as ws
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("bf16", 128), ("bf16", 64), ("fp8e4nv", 128)])
-def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, tmp_path):
-    """Compiled in a fresh process (the suite runs under TRITON_INTERPRET=1, which Gluon does not take)."""
+@pytest.mark.parametrize("dtype, head_dim, softmax_fma", [("bf16", 128, "0"), ("bf16", 64, "0"), ("fp8e4nv", 128, "0"),
+                                                        ("bf16", 128, "1"), ("fp8e4nv", 128, "1")])
+def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, softmax_fma, tmp_path):
+    """Compiled in a fresh process (the suite runs under TRITON_INTERPRET=1, which Gluon does not take), also with
+    SERVEATTN_SOFTMAX_FMA=1 (scale and row max in one fma, as prefill_kernel under the same switch)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT
+    env["SERVEATTN_SOFTMAX_FMA"] = softmax_fma
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
            "--q", dtype, "--head-dim", str(head_dim), "--dump", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -30,6 +33,7 @@ def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, tmp_path)
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)  # P.V(j) stays in flight over softmax(j+1)
     assert str(ws.PRODUCER_REGS.value) in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)
+    assert (len(re.findall(r"fma\.rn\.f32", ptx)) > 0) == (softmax_fma == "1")  # fp contraction is off otherwise
 
 
 def test_not_served_off_the_gpu():
@@ -106,15 +110,15 @@ print("ok")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
-def test_fp8_attention_takes_the_kernel_only_when_asked(monkeypatch):
-    """fp8 attention on the warp-specialized kernel is off unless SERVEATTN_PREFILL_WS_FP8=1 (slower than
-    prefill_kernel's fp8 tiles on the H200); asked for, a plan gets its tiles only where it will serve: V^T made
-    (more than one 128-row query tile), TMA-friendly pages, head dim 64 or 128, sm_90."""
+def test_fp8_attention_takes_the_kernel_where_it_serves(monkeypatch):
+    """fp8 attention takes the warp-specialized kernel unless SERVEATTN_PREFILL_WS_FP8=0, and only where it will
+    serve: V^T made (more than one 128-row query tile), TMA-friendly pages, head dim 64 or 128, sm_90."""
     monkeypatch.setattr(ws, "_capability", lambda device: (9, 0))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "0")
     assert not ws.takes_fp8(cuda, 128, 16, 4096)
-    monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "1")
+    monkeypatch.delenv("SERVEATTN_PREFILL_WS_FP8")  # the default
     assert ws.takes_fp8(cuda, 128, 16, 4096) and ws.takes_fp8(cuda, 64, None, 4096)
     assert not ws.takes_fp8(cuda, 128, 16, 128)  # one query tile: no V^T
     assert not ws.takes_fp8(cuda, 128, 16, None)  # CUDA graphs: no V^T

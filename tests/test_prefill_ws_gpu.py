@@ -275,7 +275,7 @@ FP8_CASES = [CASES[0], CASES[2], CASES[3], CASES[5], CASES[7]]
 def test_fp8_attention_equals_prefill_kernel(case, enc, per_head, ws_calls, monkeypatch):
     """fp8 q and K/V on the warp-specialized kernel (both products on fp8 wgmma, V from its transposed copy):
     bitwise prefill_kernel's FP8_QKV result on the same plan, repeatable, every element written, near the
-    float64 reference of the dequantized inputs. (Off by default: SERVEATTN_PREFILL_WS_FP8=1.)"""
+    float64 reference of the dequantized inputs. (The default; SERVEATTN_PREFILL_WS_FP8=0 would keep it on prefill_kernel.)"""
     monkeypatch.setenv("SERVEATTN_PREFILL_WS_FP8", "1")
     name, qo_lens, kv_lens, hq, hkv, ps, layout, form, causal, head_dim = case
     gen = torch.Generator().manual_seed(zlib.crc32(f"ws8{name}{enc}{per_head}".encode()))

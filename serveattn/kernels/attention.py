@@ -26,6 +26,7 @@ from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype,
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
 P_SCALE: tl.constexpr = tl.constexpr(256.0)  # fp8 attention: P * 256 <= 256 fits e4m3 (448)
+LOG2_P_SCALE: tl.constexpr = tl.constexpr(8.0)
 # A paged cache is copied into ragged rows for the warp-specialized kernel only while the temporary (K and V)
 # stays this small. A 16-bit cache only when the copy (COPY_BYTES_PER_S) costs less than GATHER_GAIN of the
 # attention (MATRIX_FLOPS): on the H200 the ragged kernel ran 1.19-1.39x the paged one (session 8).
@@ -175,12 +176,20 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         m_new = tl.maximum(m_i, tl.max(x, 1))
     # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if FMA:
+    # fp8 attention under FMA: P_SCALE folded into the exponent (exp2(y + 8) = 256 exp2(y)), so P comes out
+    # scaled for the fp8 product and only the row sum is scaled back, once a row, exactly (a power of two)
+    FOLD: tl.constexpr = FMA and dtype.is_fp8()
+    if FOLD:
+        p = tl.exp2(tl.fma(x, qk_scale, (-m_safe + LOG2_P_SCALE)[:, None]))
+    elif FMA:
         p = tl.exp2(tl.fma(x, qk_scale, -m_safe[:, None]))
     else:
         p = tl.exp2(x - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if FOLD:
+        l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / P_SCALE)
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
         vt = VT + kvh.to(tl.int64) * vt_stride_h + dv[:, None].to(tl.int64) * vt_stride_d + (vt_base + n)[None, :]
         v = tl.trans(tl.load(vt))  # unmasked (so it streams): keys past kv_len are zeros up to the block's end
@@ -195,7 +204,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
         # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second
         # product; the row sums l_i stay in fp32, and _finish divides P_SCALE out.
-        p_op = narrow(p * P_SCALE, tl.float8e4nv)
+        p_op = narrow(p if FOLD else p * P_SCALE, tl.float8e4nv)
     else:
         p_op = to_dtype(p, v.dtype)
     acc = mma(p_op, v, acc * alpha[:, None])

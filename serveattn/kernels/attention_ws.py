@@ -40,12 +40,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..policy import FP8_DTYPES, cuda_properties
-from .common import LAUNCH_OPTIONS
+from .common import LAUNCH_OPTIONS, SOFTMAX_FMA
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
 BLOCK_N = gl.constexpr(128)  # keys per block: prefill_kernel's, so the online softmax takes the same steps
 P_SCALE = gl.constexpr(256.0)  # fp8 attention: attention.P_SCALE (P * 256 rounded to e4m3 for P.V)
+LOG2_P_SCALE = gl.constexpr(8.0)
 HEAD_DIMS = (64, 128)  # served head dims (the kernels read theirs from the tiles' shapes)
 # K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
 STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
@@ -207,7 +208,9 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
     rescale factor, m_i, l_i. prefill_kernel's _attend, op for op. FP8: qk_scale is a per-row column (descales
     per head) and P goes to the tensor cores as P * P_SCALE in e4m3."""
     BN: gl.constexpr = s.shape[1]
-    if FP8:
+    if SOFTMAX_FMA:  # common.SOFTMAX_FMA: scaled inside the fma below, the row max taken on the raw logits
+        x = s
+    elif FP8:
         x = s * qk_scale[:, None]
     else:
         x = s * qk_scale
@@ -217,13 +220,26 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if CAUSAL:
             visible = visible & (n[None, :] <= (delta + tok)[:, None])
         x = gl.where(visible, x, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(x, 1))
+    if SOFTMAX_FMA:
+        m_new = gl.maximum(m_i, gl.max(x, 1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(x, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(x - m_safe[:, None])
+    if SOFTMAX_FMA and FP8:  # P_SCALE folded into the exponent, as prefill_kernel's FOLD
+        p = gl.exp2(gl.fma(x, qk_scale[:, None], (-m_safe + LOG2_P_SCALE)[:, None]))
+    elif SOFTMAX_FMA:
+        p = gl.exp2(gl.fma(x, qk_scale, -m_safe[:, None]))
+    else:
+        p = gl.exp2(x - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    if FP8:
+    if SOFTMAX_FMA and FP8:
+        l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 1)
+    if SOFTMAX_FMA and FP8:
+        p_op = p.to(gl.float8e4nv)
+    elif FP8:
         p_op = (p * P_SCALE).to(gl.float8e4nv)
     else:
         p_op = p.to(dtype)
@@ -479,10 +495,10 @@ def _smem_layout(shape: tuple, dtype: torch.dtype):
 
 
 def _fp8_enabled() -> bool:
-    """SERVEATTN_PREFILL_WS_FP8=1: fp8 attention (fp8 q and K/V) on this kernel. Off by default: right (bitwise
-    prefill_kernel's result on the H200) but 0.90-0.96x of prefill_kernel's fp8 tiles (64 x 128, two CTAs an SM)
-    in one run (session 9, docs/performance.md); for measuring until it is faster."""
-    return os.environ.get("SERVEATTN_PREFILL_WS_FP8", "0") == "1"
+    """fp8 attention (fp8 q and K/V) on this kernel: on since session 12, where with the softmax fma (common.py)
+    it ran 1.02-1.09x prefill_kernel's fp8 tiles (H200, alternating processes); SERVEATTN_PREFILL_WS_FP8=0 keeps
+    fp8 attention on prefill_kernel (the same bits)."""
+    return os.environ.get("SERVEATTN_PREFILL_WS_FP8", "1") == "1"
 
 
 def _enabled() -> bool:

@@ -29,9 +29,12 @@ FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY
 # SERVEATTN_FAST_WIDEN=2: _fp8_to_bf16 without its NaN/inf fix-up (measuring its cost only; not exact for those).
 _WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "1")
 FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
-# SERVEATTN_SOFTMAX_FMA=1: the logit scale and the row max folded into one fma before exp2, the row max taken on
-# the unscaled logits (assumes a positive scale; measuring only for now, next to SERVEATTN_FP_FUSION=1).
-SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA", "0") == "1")
+# The logit scale and the row max folded into one fma before exp2, the row max taken on the unscaled logits (so it
+# needs a positive scale: sm_scale and float k_scale are checked; tensor scales and descales live on the device and
+# are the caller's to keep positive, API.md), in prefill_kernel and the warp-specialized kernel alike (they stay
+# bitwise equal); for fp8 attention P_SCALE rides in that fma's exponent. On since session 12 (H200, alternating
+# processes: bf16 +2-3%, fp8 on the warp-specialized kernel +6-12%); SERVEATTN_SOFTMAX_FMA=0 measures without.
+SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA", "1") == "1")
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
