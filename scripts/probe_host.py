@@ -5,6 +5,10 @@ Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py [--pro
 
 --profile also prints where the host time of the batch-256 bandwidth-route plan() and run() goes (cProfile,
 functions by own time): Triton's binder and launcher against our argument assembly and staging.
+--prefill: eager prefill run() of short requests (ragged and paged, bf16, GQA 32/8), its host time per call against
+its GPU time (do_bench, L2 flushed), the bare kernel launch inside it, a Triton kernel of two arguments for scale,
+and with --profile where run()'s host time goes. (Session 12's crossover run had our ragged prefill at ~0.1 ms for
+512 tokens, 3x cuDNN's eager time, which suggests the host.)
 """
 import argparse
 import cProfile
@@ -12,6 +16,9 @@ import pstats
 import time
 
 import torch
+import triton
+import triton.language as tl
+import triton.testing
 
 import serveattn
 from serveattn import staging
@@ -44,9 +51,12 @@ def profile(label, fn, n=300):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
+    if args.prefill:
+        return prefill_host(args.profile)
     for batch, kv in ((1, 8192), (256, 1024)):
         pages = (kv + 15) // 16
         cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
@@ -97,6 +107,47 @@ def main():
     torch.cuda.synchronize()
     empty_us = per_call_us(lambda: x.add_(1.0))
     print(f"reference: a torch add_ launch {empty_us:.1f} us; total probe {time.perf_counter() - t0:.1f} s")
+
+
+@triton.jit
+def _two_args_kernel(x_ptr, n):
+    pid = tl.program_id(0)
+    tl.store(x_ptr + pid, n.to(tl.float32), mask=pid < n)
+
+
+def prefill_host(with_profile: bool):
+    from serveattn.kernels import attention as attention_kernel
+    dev = "cuda"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    x = torch.empty(1, device=dev)
+    print(f"reference: a torch add_ launch {per_call_us(lambda: x.add_(1.0)):.1f} us; a Triton kernel of two "
+          f"arguments {per_call_us(lambda: _two_args_kernel[(1,)](x, 1)):.1f} us")
+    for kind, s in (("ragged", 512), ("ragged", 2048), ("paged", 512), ("paged", 2048)):
+        q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
+        qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
+        if kind == "ragged":
+            k, v = (torch.randn(s, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+            w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="triton")
+            w.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+            call, kv = (lambda: w.run(q, k, v)), (k, v)
+        else:
+            pages = s // 16
+            cache = torch.randn(pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+            indices = torch.randperm(pages, device=dev).to(torch.int32)
+            w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="triton")
+            w.plan(qo, torch.tensor([0, pages], dtype=torch.int32, device=dev), indices,
+                   torch.tensor([16], dtype=torch.int32, device=dev), 32, 8, 128, 16, causal=True,
+                   q_data_type=torch.bfloat16)
+            call, kv = (lambda: w.run(q, cache)), (cache[:, 0], cache[:, 1])
+        out = torch.empty_like(q)
+        p = w._plan
+        launch = lambda: attention_kernel.launch(q, kv[0], kv[1], out, None, p, "NHD", p.num_work_host)
+        host, bare = per_call_us(call), per_call_us(launch)
+        gpu = triton.testing.do_bench(call, warmup=25, rep=100) * 1e3
+        print(f"prefill {kind} 1x{s}: run() host {host:.1f} us a call, GPU (do_bench) {gpu:.1f} us; bare "
+              f"attention.launch {bare:.1f} us")
+        if with_profile and s == 512:
+            profile(f"prefill {kind} 1x{s} run()", call)
 
 
 if __name__ == "__main__":
