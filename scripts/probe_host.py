@@ -112,7 +112,7 @@ def main():
 @triton.jit
 def _two_args_kernel(x_ptr, n):
     pid = tl.program_id(0)
-    tl.store(x_ptr + pid, n.to(tl.float32), mask=pid < n)
+    tl.store(x_ptr + pid, pid.to(tl.float32), mask=pid < n)
 
 
 def prefill_host(with_profile: bool):
