@@ -301,7 +301,9 @@ def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dt
 
 
 def check_scales(entry: str, device: torch.device, **scales) -> None:
-    """k_scale / v_scale: a positive finite Python float, or a one-element float32 tensor on the device."""
+    """k_scale / v_scale: a positive finite Python float, or a one-element float32 tensor on the device. A tensor's
+    value must be positive and finite too (the kernels take the softmax row max on unscaled logits), but it stays
+    on the device unread: checking it would cost a sync per call and cannot run under CUDA graphs."""
     for name, s in scales.items():
         if s is None:
             continue
@@ -319,7 +321,8 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
                    q_dtype: Optional[torch.dtype] = None, device=None, num_qo_heads: int = 0,
                    num_kv_heads: int = 0):
     """fp8-attention descales: float32 tensors on q's device of one element or one per head ([Hq], [Hkv],
-    [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query.
+    [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query. Their
+    values must be positive and finite (quantization scales); like tensor k_scale/v_scale they are not read here.
     Returns (scale_q, scale_k, scale_v) for an fp8 query (None entries become ones), else None."""
     given = [n for n, s in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)) if s is not None]
     if given and (k_scale is not None or v_scale is not None):

@@ -64,7 +64,8 @@ class ArchTable:
 
     ``cudnn_min_rows[(dtype, head_dim, group, causal)]``: cuDNN serves prefill when every request has at least
     this many query rows (and kv_len == qo_len, the measured shape class); None: our kernel at every measured
-    size. ``decode_tc_min_programs_per_sm[(kv dtype, head_dim, group)]``: with ``use_tensor_cores=False`` the
+    size. ``cudnn_max_rows[same key]``: and fewer than this many (absent or None: no upper bound), where our
+    kernel was faster again at the longer lengths. ``decode_tc_min_programs_per_sm[(kv dtype, head_dim, group)]``: with ``use_tensor_cores=False`` the
     tensor-core route serves decode when batch x num_kv_heads / SMs reaches this; None: never. A key that is
     absent was not measured, and the default route holds there.
     """
@@ -74,6 +75,7 @@ class ArchTable:
     measured: str  # GPU, date, command of the numbers behind the constants
     cudnn_min_rows: Mapping[Tuple[str, int, int, bool], Optional[int]]
     decode_tc_min_programs_per_sm: Mapping[Tuple[str, int, int], Optional[float]]
+    cudnn_max_rows: Mapping[Tuple[str, int, int, bool], Optional[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def prefill_table(self) -> str:
@@ -87,18 +89,27 @@ class ArchTable:
 TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
-        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-02: python -m serveattn.bench "
-                 "crossover --groups 1,4,8 --prefill-batches 1,8 --seq-lens 512,1024,2048,4096,8192 --causal-modes "
-                 "causal --decode-batches 1,4,8,16,32,64,128 --decode-kv-lens 1024,4096,16384 --pairs "
-                 "prefill-cudnn,decode-tc --rep-ms 40 --warmup-ms 10 --passes 2 "
-                 "(docs/runs/2026-12-02T1655-crossover.log)",
-        # docs/routing.md, table sm90-prefill-cudnn: cuDNN 0.53-0.95x of our kernel's time from 512 rows (groups 1,
-        # 4) and 1024 rows (group 8: 1.13x at 8 x 512); bf16, head dim 128, causal, batch 1 and 8. Non-causal and
-        # other head dims are not measured (our kernel holds there).
+        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-03: python -m serveattn.bench "
+                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; "
+                 "docs/runs/2026-12-03T1554-bench-crossover.log)",
+        # docs/routing.md, table sm90-prefill-cudnn, measured after the warp-specialized prefill kernel and the
+        # softmax fma: eager, our run() costs ~100 us of host time a call on that host, so cuDNN takes the short
+        # lengths (0.26-0.97x our time below 4096 rows, causal); causal groups 4 and 8 from 4096 rows on are ours
+        # (cuDNN 1.01-1.09x our time). Group 1 causal is cuDNN's up to 4096 (8 x 8192 still 0.91x); non-causal
+        # is cuDNN's at every length for groups 1 and 4 (0.96-0.98x at 8192), group 8 from 2048 is a tie (ours).
         cudnn_min_rows={
+            ("bfloat16", 128, 1, False): 512,
             ("bfloat16", 128, 1, True): 512,
+            ("bfloat16", 128, 4, False): 512,
             ("bfloat16", 128, 4, True): 512,
-            ("bfloat16", 128, 8, True): 1024,
+            ("bfloat16", 128, 8, False): 512,
+            ("bfloat16", 128, 8, True): 512,
+        },
+        cudnn_max_rows={
+            ("bfloat16", 128, 1, True): 8192,
+            ("bfloat16", 128, 4, True): 4096,
+            ("bfloat16", 128, 8, False): 2048,
+            ("bfloat16", 128, 8, True): 4096,
         },
         # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
         # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties); groups 1 and 8 had a point at or
@@ -106,6 +117,7 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
         # kernel. Group 4, re-measured after the bandwidth kernel's 64-key tiles and graph grid (table
         # sm90-decode-tc-g4, 2026-12-02T21:46): 1.01-1.03 at 1.94, 0.96-1.00 from 3.88 on, so no threshold holds
         # at every point above it: the bandwidth kernel everywhere.
+        # (the 2026-12-03 run measured the same: None for groups 1, 4 and 8)
         decode_tc_min_programs_per_sm={
             ("bfloat16", 128, 1): None,
             ("bfloat16", 128, 4): None,
@@ -385,6 +397,11 @@ def cudnn_below_crossover(min_rows: Optional[int], table: str) -> str:
 
 
 @_producer
+def cudnn_above_crossover(max_rows: int, table: str) -> str:
+    return f"cudnn: from {max_rows} query rows per request on our kernel is faster ({table})."
+
+
+@_producer
 def cudnn_failed_at_run() -> str:
     return "cudnn: cuDNN raised at run(); this plan runs on our kernel from then on."
 
@@ -531,6 +548,9 @@ def cudnn_slower(req: Request) -> Optional[str]:
     min_rows = table.cudnn_min_rows[key]
     if min_rows is None or req.min_qo_len < min_rows:
         return cudnn_below_crossover(min_rows, table.prefill_table)
+    max_rows = table.cudnn_max_rows.get(key)
+    if max_rows is not None and req.max_qo_len >= max_rows:
+        return cudnn_above_crossover(max_rows, table.prefill_table)
     return None
 
 

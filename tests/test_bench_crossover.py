@@ -48,14 +48,22 @@ def _pt(pair, ratio, status="ok", **kw):
     return dict(pair=pair, ratio=ratio, status=status, **kw)
 
 
-def test_derive_cudnn_takes_the_smallest_length_from_which_cudnn_always_won():
+def test_derive_cudnn_takes_the_longest_run_of_lengths_cudnn_won_at_every_batch():
     key = dict(dtype="bfloat16", head_dim=128, group=4, causal=True)
     pts = [_pt("prefill-cudnn", r, qo_len=s, batch=b, **key)
            for s, b, r in ((512, 1, 1.2), (1024, 1, 0.9), (1024, 8, 1.01), (2048, 1, 0.8), (2048, 8, 0.7),
                            (4096, 1, 0.8))]
-    assert crossover.derive_cudnn(pts) == {("bfloat16", 128, 4, True): 2048}
+    assert crossover.derive_cudnn(pts) == {("bfloat16", 128, 4, True): (2048, None)}
+    # won at the short lengths, lost from 4096 on (the host-bound eager case): a range with an upper end
+    short = [_pt("prefill-cudnn", r, qo_len=s, batch=1, **key)
+             for s, r in ((512, 0.3), (1024, 0.4), (2048, 0.9), (4096, 1.09), (8192, 1.07))]
+    assert crossover.derive_cudnn(short) == {("bfloat16", 128, 4, True): (512, 4096)}
+    # two runs: the longer one (512-1024 against 4096 alone)
+    two = [_pt("prefill-cudnn", r, qo_len=s, batch=1, **key)
+           for s, r in ((512, 0.3), (1024, 0.4), (2048, 1.1), (4096, 0.9), (8192, 1.2))]
+    assert crossover.derive_cudnn(two) == {("bfloat16", 128, 4, True): (512, 2048)}
     never = [_pt("prefill-cudnn", 1.1, qo_len=s, batch=1, **dict(key, group=8)) for s in (1024, 4096)]
-    assert crossover.derive_cudnn(never)[("bfloat16", 128, 8, True)] is None
+    assert crossover.derive_cudnn(never)[("bfloat16", 128, 8, True)] == (None, None)
     gap = [_pt("prefill-cudnn", 0.8, qo_len=1024, batch=1, **key),
            _pt("prefill-cudnn", None, "failed", qo_len=2048, batch=1, **key)]
     assert crossover.derive_cudnn(gap) == {}  # a failed point: the config stays unmeasured
@@ -68,8 +76,11 @@ def test_derive_decode_takes_the_smallest_load_from_which_tensor_cores_never_los
     assert crossover.derive_decode(pts) == {("bfloat16", 128, 4): 1.94}
     dip = pts + [_pt("decode-tc", 0.99, programs_per_sm=7.76, batch=0, kv_len=0, **key)]
     assert crossover.derive_decode(dip) == {("bfloat16", 128, 4): None}
-    literal = crossover.table_literal((9, 0), "H200", {("bfloat16", 128, 4, True): 2048}, {("bfloat16", 128, 4): 1.94})
+    literal = crossover.table_literal((9, 0), "H200", {("bfloat16", 128, 4, True): (2048, 8192),
+                                                       ("bfloat16", 128, 8, True): (512, None)},
+                                      {("bfloat16", 128, 4): 1.94})
     assert "(9, 0): ArchTable(" in literal and "('bfloat16', 128, 4, True): 2048," in literal
+    assert "cudnn_max_rows={\n            ('bfloat16', 128, 4, True): 8192,\n        }," in literal
     assert "# docs/routing.md, table sm90-decode-tc" in literal and "('bfloat16', 128, 4): 1.94," in literal
 
 

@@ -29,6 +29,7 @@ H200 = dataclasses.replace(
     decode_tc_min_programs_per_sm={**routing.table_for((9, 0)).decode_tc_min_programs_per_sm,
                                    ("bfloat16", 128, 4): 1.939})
 MIN_ROWS = H200.cudnn_min_rows[("bfloat16", 128, 4, True)]  # the measured crossover, whatever it is
+G4_CAUSAL = ("bfloat16", 128, 4, True)
 
 
 def _rows(n):
@@ -41,7 +42,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="kernels on CPU 
 # A prefill request the sm 9.0 table sends to cuDNN, and a decode request (bandwidth kernel below the crossover).
 PF = routing.Request(kind="prefill", device_type="cuda", arch=(9, 0), num_sms=132, q_dtype=BF16, kv_dtype=BF16,
                      o_dtype=BF16, head_dim=128, num_qo_heads=32, num_kv_heads=8, causal=True, batch=2,
-                     min_qo_len=4096, max_qo_len=4096, min_kv_len=4096, max_kv_len=4096)
+                     min_qo_len=2048, max_qo_len=2048, min_kv_len=2048, max_kv_len=2048)
 DEC = dataclasses.replace(PF, kind="decode", paged=True, causal=False, batch=1, min_qo_len=1, max_qo_len=1)
 
 
@@ -124,6 +125,9 @@ TRIGGERS = {
     "cudnn_unmeasured": (lambda mp, fg: _prefill_reason(pf(q_dtype=F16, kv_dtype=F16, o_dtype=F16)),
                          (H200.prefill_table,)),
     "cudnn_below_crossover": (lambda mp, fg: _prefill_reason(_rows(MIN_ROWS - 1)), (MIN_ROWS, H200.prefill_table)),
+    "cudnn_above_crossover": (lambda mp, fg: (_table(mp, cudnn_max_rows={G4_CAUSAL: MIN_ROWS + 16}),
+                                              _prefill_reason(_rows(MIN_ROWS + 16)))[1],
+                              (MIN_ROWS + 16, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
     "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=17)), ()),  # 17 x group 4 > 32
     "bandwidth_tree": (lambda mp, fg: routing.bandwidth_declines(dec(tree=True)), ()),
@@ -174,7 +178,7 @@ def test_prefill_choices(monkeypatch):
                         (pf(min_qo_len=MIN_ROWS - 1, max_qo_len=MIN_ROWS - 1, min_kv_len=MIN_ROWS - 1,
                             max_kv_len=MIN_ROWS - 1), routing.cudnn_below_crossover(MIN_ROWS, H200.prefill_table)),
                         (pf(num_qo_heads=16), routing.cudnn_unmeasured(H200.prefill_table)),  # group 2
-                        (pf(causal=False), routing.cudnn_unmeasured(H200.prefill_table)),
+                        (pf(head_dim=64), routing.cudnn_unmeasured(H200.prefill_table)),
                         (pf(arch=(10, 0)), routing.unmeasured_arch("cudnn"))):
         d = choose(req)
         assert d.backend == "triton" and d.reason == reason
@@ -280,6 +284,19 @@ def test_warn_once_per_device_and_reason(caplog):
     assert sum(below_reason in m and "cuda:1" in m for m in msgs) == 1
     assert sum(routing.cudnn_paged() in m for m in msgs) == 1
     assert len(msgs) == 4
+
+
+def test_cudnn_serves_only_inside_its_measured_range(monkeypatch):
+    """cuDNN takes a request whose length is in [cudnn_min_rows, cudnn_max_rows) (no upper end where the table
+    has none); at or above the upper end our kernel, with the rule's sentence."""
+    _table(monkeypatch, cudnn_min_rows={G4_CAUSAL: 512}, cudnn_max_rows={G4_CAUSAL: 4096})
+    table = routing.TABLES[(9, 0)]
+    assert routing.cudnn_slower(_rows(512)) is None and routing.cudnn_slower(_rows(4095)) is None
+    for n in (4096, 8192):
+        assert routing.cudnn_slower(_rows(n)) == routing.cudnn_above_crossover(4096, table.prefill_table)
+    assert "from 4096 query rows per request on our kernel is faster" in routing.cudnn_above_crossover(4096, "t")
+    _table(monkeypatch, cudnn_min_rows={G4_CAUSAL: 512}, cudnn_max_rows={})
+    assert routing.cudnn_slower(_rows(1 << 20)) is None
 
 
 def test_explicit_backends_do_not_warn(caplog, device):
@@ -499,7 +516,7 @@ def test_tables_name_their_docs_tables():
             short = name.split("table ")[1]
             assert f"#### Table {short}" in doc, short
             assert f"docs/routing.md, table {short}" in source, short
-        for key, value in table.cudnn_min_rows.items():
+        for key, value in list(table.cudnn_min_rows.items()) + list(table.cudnn_max_rows.items()):
             assert f"{key!r}: {value!r}" in doc
     assert "<!-- crossover:append -->" in doc
 

@@ -84,10 +84,12 @@ def test_auto_picks_cudnn_where_the_table_says():
                                                  num_qo_heads=hq, num_kv_heads=hkv, causal=True, batch=1,
                                                  min_qo_len=seq, max_qo_len=seq, min_kv_len=seq, max_kv_len=seq),
                                  "cuda")
-    min_rows = table.cudnn_min_rows.get(("bfloat16", d, hq // hkv, True)) if table else None
+    key = ("bfloat16", d, hq // hkv, True)
+    min_rows = table.cudnn_min_rows.get(key) if table else None
+    max_rows = table.cudnn_max_rows.get(key) if table else None
     if table is None:
         assert w.backend == "triton" and w.backend_fallback_reason == routing.unmeasured_arch("cudnn")
-    elif min_rows is None or seq < min_rows:
+    elif min_rows is None or seq < min_rows or (max_rows is not None and seq >= max_rows):
         assert w.backend == "triton"
     elif gate is not None:
         assert w.backend == "triton" and w.backend_fallback_reason == gate

@@ -291,11 +291,32 @@ def _thresholds(points: List[dict], pair: str, key_fields: Tuple[str, ...], x_fi
     return out
 
 
-def derive_cudnn(points: List[dict]) -> Dict[tuple, Optional[int]]:
-    """(dtype, head_dim, group, causal) -> the smallest measured sequence length from which cuDNN was faster
-    (ratio < 1) at every measured point of at least that length."""
-    return _thresholds(points, "prefill-cudnn", ("dtype", "head_dim", "group", "causal"), "qo_len",
-                       lambda p: p["ratio"] < 1)
+def derive_cudnn(points: List[dict]) -> Dict[tuple, Tuple[Optional[int], Optional[int]]]:
+    """(dtype, head_dim, group, causal) -> (min rows, max rows): cuDNN serves lengths in [min, max). The longest
+    run of consecutive measured lengths at which cuDNN was faster (ratio < 1) at every measured batch (the later
+    run on a tie); max is the first measured length after it (None: the run reaches the longest measured one).
+    (None, None) where cuDNN never won at every batch of one length. Configs with a point that was not
+    measured (declined, failed) are left out: those stay unmeasured."""
+    configs: Dict[tuple, List[dict]] = {}
+    for p in points:
+        if p["pair"] == "prefill-cudnn":
+            configs.setdefault((p["dtype"], p["head_dim"], p["group"], p["causal"]), []).append(p)
+    out = {}
+    for key, pts in configs.items():
+        if not all(_ok(p) for p in pts):
+            continue
+        lengths = sorted({p["qo_len"] for p in pts})
+        wins = [all(p["ratio"] < 1 for p in pts if p["qo_len"] == n) for n in lengths]
+        best, start = (0, None, None), None
+        for i, won in enumerate(wins + [False]):
+            if won and start is None:
+                start = i
+            elif not won and start is not None:
+                if i - start >= best[0]:
+                    best = (i - start, lengths[start], lengths[i] if i < len(lengths) else None)
+                start = None
+        out[key] = best[1:]
+    return out
 
 
 def derive_decode(points: List[dict]) -> Dict[tuple, Optional[float]]:
@@ -313,7 +334,9 @@ def table_literal(arch, measured: str, cudnn: dict, decode: dict) -> str:
              f"        measured={measured!r},",
              f"        # docs/routing.md, table {name}-prefill-cudnn",
              "        cudnn_min_rows={"]
-    lines += [f"            {k!r}: {v!r}," for k, v in sorted(cudnn.items(), key=str)]
+    lines += [f"            {k!r}: {lo!r}," for k, (lo, hi) in sorted(cudnn.items(), key=str)]
+    lines += ["        },", "        cudnn_max_rows={"]
+    lines += [f"            {k!r}: {hi!r}," for k, (lo, hi) in sorted(cudnn.items(), key=str) if hi is not None]
     lines += ["        },", f"        # docs/routing.md, table {name}-decode-tc",
               "        decode_tc_min_programs_per_sm={"]
     lines += [f"            {k!r}: {None if v is None else round(v, 3)!r}," for k, v in sorted(decode.items(), key=str)]
@@ -439,7 +462,8 @@ def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = 
     finally:
         bar.close()
     cudnn, decode = derive_cudnn(result["points"]), derive_decode(result["points"])
-    result["derived"] = {"cudnn_min_rows": {repr(k): v for k, v in cudnn.items()},
+    result["derived"] = {"cudnn_min_rows": {repr(k): lo for k, (lo, hi) in cudnn.items()},
+                         "cudnn_max_rows": {repr(k): hi for k, (lo, hi) in cudnn.items()},
                          "decode_tc_min_programs_per_sm": {repr(k): v for k, v in decode.items()}}
     measured = (f"{env.get('device', 'CPU')} ({sms} SMs), torch {env.get('torch')}, triton {env.get('triton')}, "
                 f"{str(env.get('date_utc', ''))[:10]}: {' '.join(result['command'])}")
