@@ -122,6 +122,15 @@ def prefill_host(with_profile: bool):
     x = torch.empty(1, device=dev)
     print(f"reference: a torch add_ launch {per_call_us(lambda: x.add_(1.0)):.1f} us; a Triton kernel of two "
           f"arguments {per_call_us(lambda: _two_args_kernel[(1,)](x, 1)):.1f} us")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from serveattn.kernels import attention_ws
+    t = torch.randn(4096, 8, 128, device=dev, dtype=torch.bfloat16)
+    desc_args = (t, [4096 * 8, 128], [128, 1], [16, 128])
+    layout = attention_ws._smem_layout((16, 128), t.dtype)
+    line = f"a TensorDescriptor {per_call_us(lambda: TensorDescriptor(*desc_args, layout)):.1f} us"
+    if hasattr(attention_ws, "_tma_descriptor"):  # next/prefill-host: its checks made once per kind
+        line += f"; attention_ws._tma_descriptor {per_call_us(lambda: attention_ws._tma_descriptor(*desc_args)):.1f} us"
+    print(line)
     for kind, s in (("ragged", 512), ("ragged", 2048), ("paged", 512), ("paged", 2048)):
         q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
         qo = torch.tensor([0, s], dtype=torch.int32, device=dev)

@@ -361,13 +361,10 @@ def transpose_v_kernel(V, VT, vt_work, kv_indptr, kv_indices, last_page_len, kv_
 
 def kv_strides(t: torch.Tensor, kv_layout: str, paged: bool):
     """(page, slot, head) element strides of a 4-D paged K or V cache, or (token, 0, head) of ragged K/V."""
+    s = t.stride()
     if paged:
-        if kv_layout == "NHD":
-            return t.stride(0), t.stride(1), t.stride(2)
-        return t.stride(0), t.stride(2), t.stride(1)
-    if kv_layout == "NHD":
-        return t.stride(0), 0, t.stride(1)
-    return t.stride(1), 0, t.stride(0)
+        return (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1])
+    return (s[0], 0, s[1]) if kv_layout == "NHD" else (s[1], 0, s[0])
 
 
 def _present(placeholder, *tensors):
