@@ -103,12 +103,13 @@ def _launches_of(jit_fn):
     under TRITON_INTERPRET=1 is no JITFunction, and Gluon's JIT function is one)."""
     launches = jit_fn.__dict__.get(_STATE_ATTR)
     if launches is None:
-        if not isinstance(jit_fn, JITFunction) or knobs.runtime.interpret:
-            launches = False
-        else:
-            launches = _KernelLaunches(jit_fn)
+        launches = False if _interpreted(jit_fn) else _KernelLaunches(jit_fn)
         setattr(jit_fn, _STATE_ATTR, launches)
     return launches or None
+
+
+def _interpreted(jit_fn) -> bool:
+    return not isinstance(jit_fn, JITFunction) or knobs.runtime.interpret
 
 
 def _hook_idle(hook) -> bool:
