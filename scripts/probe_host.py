@@ -190,8 +190,8 @@ def fast_launch_ab(rounds: int, with_profile: bool):
             fast_launch.ENABLED = on
             for name, call in calls.items():
                 times[(name, on)].append(per_call_us(call))
-        print(f"round {r}: " + "; ".join(f"{name} off {times[(name, False)][-1]:.1f} / on {times[(name, True)][-1]:.1f} us"
-                                          for name in calls))
+        last = {name: (times[(name, False)][-1], times[(name, True)][-1]) for name in calls}
+        print(f"round {r}: " + "; ".join(f"{name} off {off:.1f} / on {on:.1f} us" for name, (off, on) in last.items()))
     print(f"--- fast launch A/B, median of {rounds} rounds (host us a call, {len(calls)} cases)")
     for name in calls:
         off, on = statistics.median(times[(name, False)]), statistics.median(times[(name, True)])

@@ -265,6 +265,19 @@ def test_falls_back_to_triton(fake_triton, case):
     assert launches is None or not launches.entries
 
 
+def test_rebound_global_takes_triton_path(fake_triton):
+    """A global the kernel reads, rebound after the entry was made: Triton's path (which checks, and raises)."""
+    jit_fn, kernel, triton_calls = fake_triton
+    namespace = {"SCALE": tl.constexpr(2)}
+    jit_fn.used_global_vals = {("SCALE", id(namespace)): (tl.constexpr(2), namespace)}
+    for _ in range(2):
+        fast.launch(jit_fn, (1, 1), *_args(), MODE=1)
+    assert len(triton_calls) == 1
+    namespace["SCALE"] = tl.constexpr(3)
+    fast.launch(jit_fn, (1, 1), *_args(), MODE=1)
+    assert len(triton_calls) == 2
+
+
 def test_off_means_triton_path(fake_triton, monkeypatch):
     jit_fn, kernel, triton_calls = fake_triton
     monkeypatch.setattr(fast, "ENABLED", False)

@@ -3,16 +3,17 @@
 `launch(jit_fn, grid, *args, **kwargs)` stands for `jit_fn[grid](*args, **kwargs)`. With the switch on
 (SERVEATTN_FAST_LAUNCH=1, read at import into ENABLED; tests and probes flip the attribute) a call whose arguments
 fall in a class seen before goes straight to the compiled kernel's launcher: no binder (a native_specialize_impl
-call per parameter), no cache-key string, no globals check, no launch-metadata dict, no hook calls. The class is our
-own key of the arguments, at least as fine as Triton's specialization (tests/test_fast_launch.py checks that against
-Triton's binder), so a class maps to one compiled kernel. The first call of a class, and any call we cannot key,
-takes Triton's own path, which compiles or finds the kernel and launches it.
+call per parameter), no cache-key string, no launch-metadata dict, no hook calls, and the globals the kernel reads
+checked by identity instead of by value. The class is our own key of the arguments, at least as fine as Triton's
+specialization (tests/test_fast_launch.py checks that against Triton's binder), so a class maps to one compiled
+kernel. The first call of a class, and any call we cannot key, takes Triton's own path, which compiles or finds the
+kernel and launches it.
 
 Triton internals relied on (triton 3.6): JITFunction.params (KernelParam: is_constexpr, do_not_specialize,
-do_not_specialize_on_alignment, default), JITFunction.pre_run_hooks, CompiledKernel.run / function /
-packed_metadata, the launcher's argument order (grid x3, stream, function, packed metadata, launch metadata, enter
-hook, exit hook, every parameter in signature order), knobs.runtime.launch_enter_hook / launch_exit_hook as
-HookChain, and what native_specialize_impl distinguishes.
+do_not_specialize_on_alignment, default), JITFunction.pre_run_hooks / used_global_vals, CompiledKernel.run /
+function / packed_metadata, the launcher's argument order (grid x3, stream, function, packed metadata, launch
+metadata, enter hook, exit hook, every parameter in signature order), knobs.runtime.launch_enter_hook /
+launch_exit_hook as HookChain, and what native_specialize_impl distinguishes.
 """
 import os
 
@@ -43,7 +44,7 @@ class _KernelLaunches:
         self.params = jit_fn.params
         self.key_functions = {}
         # (device, debug, instrumentation mode, keyword arguments, positional key) ->
-        # (launcher, CUfunction, packed metadata, trailing parameter values, CompiledKernel)
+        # (launcher, CUfunction, packed metadata, trailing parameter values, CompiledKernel, globals read)
         self.entries = {}
 
 
@@ -140,6 +141,16 @@ def _trailing_values(launches: _KernelLaunches, num_args: int, kwargs):
     return tuple(values)
 
 
+_MISSING = object()
+
+
+def _globals_read(jit_fn):
+    """(namespace, name, object) of each global the kernel reads. Triton compares values on every call
+    (constexpr comparisons: ~30 us for prefill_kernel's seven on a slow CPU); an identity check is ~0.1 us each."""
+    return tuple((namespace, name, namespace.get(name, _MISSING))
+                 for (name, _), (_, namespace) in jit_fn.used_global_vals.items())
+
+
 def launch(jit_fn, grid, *args, **kwargs):
     """jit_fn[grid](*args, **kwargs), without Triton's per-call work once this argument class has launched."""
     if not ENABLED:
@@ -161,9 +172,13 @@ def launch(jit_fn, grid, *args, **kwargs):
         trailing = _trailing_values(launches, len(args), kwargs)
         if kernel is not None and trailing is not None:
             # kernel.run is the launcher once the call above has loaded the binary
-            launches.entries[key] = (kernel.run, kernel.function, kernel.packed_metadata, trailing, kernel)
+            launches.entries[key] = (kernel.run, kernel.function, kernel.packed_metadata, trailing, kernel,
+                                     _globals_read(jit_fn))
         return kernel
-    launcher, function, packed_metadata, trailing, kernel = entry
+    launcher, function, packed_metadata, trailing, kernel, globals_read = entry
+    for namespace, name, value in globals_read:
+        if namespace.get(name, _MISSING) is not value:  # rebound since: Triton's path checks (and raises)
+            return jit_fn[grid](*args, **kwargs)
     size = len(grid)
     # launch metadata and hooks: None, as the launcher skips both then (Triton passes empty HookChains)
     launcher(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, active.get_current_stream(device),
