@@ -146,7 +146,8 @@ _MISSING = object()
 
 def _globals_read(jit_fn):
     """(namespace, name, object) of each global the kernel reads. Triton compares values on every call
-    (constexpr comparisons: ~30 us for prefill_kernel's seven on a slow CPU); an identity check is ~0.1 us each."""
+    (constexpr comparisons: 4.5 us for prefill_kernel's seven, 0.7 us for decode_kernel's one, on a 2-core dev CPU); an
+    identity check is ~0.1 us each."""
     return tuple((namespace, name, namespace.get(name, _MISSING))
                  for (name, _), (_, namespace) in jit_fn.used_global_vals.items())
 
