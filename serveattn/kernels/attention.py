@@ -22,6 +22,7 @@ except (ImportError, AttributeError):
     attention_ws = None
 from . import gather
 from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
+from .launch import launch as launch_jit
 
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
@@ -458,14 +459,14 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
         vt_tokens = plan.vt_tokens
         vt = torch.empty((plan.num_kv_heads, plan.head_dim, vt_tokens), dtype=v.dtype, device=v.device)
-        transpose_v_kernel[(plan.vt_work.numel() // 2, plan.num_kv_heads)](
+        launch_jit(transpose_v_kernel, (plan.vt_work.numel() // 2, plan.num_kv_heads),
             v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
             plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens,
             HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N, PAGE_SIZE=plan.page_size, PAGED=plan.paged)
     if ws and attention_ws.launch(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
                                   vs_dev, descales, vt if plan.vt_work is not None else None):
         return
-    prefill_kernel[(grid0, plan.num_kv_heads)](
+    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
         q, k, v, out, lse_arg,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..policy import FP8_DTYPES, cuda_properties
 from .common import LAUNCH_OPTIONS, SOFTMAX_FMA
+from .launch import launch as launch_jit
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
@@ -628,7 +629,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     programs = grid0 * plan.num_kv_heads
     if os.environ.get("SERVEATTN_PREFILL_WS_PERSISTENT", "1") == "1":
         programs = min(programs, _num_sms(q.device))
-    prefill_ws_kernel[(programs, 1)](
+    launch_jit(prefill_ws_kernel, (programs, 1),
         q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
