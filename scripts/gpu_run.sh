@@ -19,6 +19,7 @@
 #   scripts/gpu_run.sh probe-prefill-ws      # the warp-specialized prefill: its GPU tests, then an in-process A/B of the page copy and the persistent grid
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
+#   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -48,7 +49,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma" >&2; exit 2 ;;
+    probe-fast-launch) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch" >&2; exit 2 ;;
   esac
 done
 
@@ -220,6 +222,21 @@ step_probe_softmax_fma() {  # scale and row max in one fma, in both prefill kern
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_fast_launch() {  # kernels/launch.py's fast path: bitwise Triton's launch path, then host time off/on
+  {  # a subshell (the pipeline): exit with 1 if the tests or the probe failed
+    rc=0
+    echo "== GPU tests with SERVEATTN_FAST_LAUNCH=1 (test_fast_launch_gpu.py flips it per call itself)"
+    SERVEATTN_FAST_LAUNCH=1 timeout 330 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_fast_launch_gpu.py \
+      tests/test_fast_launch.py tests/test_decode_gpu.py tests/test_prefill_ws_gpu.py tests/test_prefill_gpu.py \
+      > "$OUT/probe-fast-launch-tests.log" 2>&1 || rc=1
+    grep -v Warning "$OUT/probe-fast-launch-tests.log" | tail -25
+    echo "== run() host us, fast launch off/on alternating in one process, then cProfile of the fast path"
+    timeout 180 python3 scripts/probe_host.py --fast-launch-ab --rounds 7 --profile || rc=1
+    exit $rc
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fast-launch.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -256,6 +273,7 @@ for s in "${STEPS[@]}"; do
     probe-prefill-profile) step_probe_prefill_profile ;;
     probe-softmax-fma) step_probe_softmax_fma ;;
     probe-decode-small-batch) step_probe_decode_small_batch ;;
+    probe-fast-launch) step_probe_fast_launch ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"

@@ -9,6 +9,9 @@ functions by own time): Triton's binder and launcher against our argument assemb
 its GPU time (do_bench, L2 flushed), the bare kernel launch inside it, a Triton kernel of two arguments for scale,
 and with --profile where run()'s host time goes. (Session 12's crossover run had our ragged prefill at ~0.1 ms for
 512 tokens, 3x cuDNN's eager time, which suggests the host.)
+--fast-launch-ab: run() host time of decode (batch 1 and 256, bandwidth route) and ragged prefill 1x512 with
+kernels/launch.py's fast path off and on (launch.ENABLED, i.e. SERVEATTN_FAST_LAUNCH), alternating in one process
+over --rounds rounds; prints each round and the median per setting. With --profile, cProfile of the fast-path run().
 """
 import argparse
 import cProfile
@@ -23,6 +26,7 @@ import triton.testing
 import serveattn
 from serveattn import staging
 from serveattn.kernels import decode as decode_kernel
+from serveattn.kernels import launch as fast_launch
 
 
 def per_call_us(fn, n=300):
@@ -52,9 +56,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--fast-launch-ab", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
+    if args.fast_launch_ab:
+        return fast_launch_ab(args.rounds, args.profile)
     if args.prefill:
         return prefill_host(args.profile)
     for batch, kv in ((1, 8192), (256, 1024)):
@@ -122,6 +130,15 @@ def prefill_host(with_profile: bool):
     x = torch.empty(1, device=dev)
     print(f"reference: a torch add_ launch {per_call_us(lambda: x.add_(1.0)):.1f} us; a Triton kernel of two "
           f"arguments {per_call_us(lambda: _two_args_kernel[(1,)](x, 1)):.1f} us")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from serveattn.kernels import attention_ws
+    t = torch.randn(4096, 8, 128, device=dev, dtype=torch.bfloat16)
+    desc_args = (t, [4096 * 8, 128], [128, 1], [16, 128])
+    layout = attention_ws._smem_layout((16, 128), t.dtype)
+    line = f"a TensorDescriptor {per_call_us(lambda: TensorDescriptor(*desc_args, layout)):.1f} us"
+    if hasattr(attention_ws, "_tma_descriptor"):  # next/prefill-host: its checks made once per kind
+        line += f"; attention_ws._tma_descriptor {per_call_us(lambda: attention_ws._tma_descriptor(*desc_args)):.1f} us"
+    print(line)
     for kind, s in (("ragged", 512), ("ragged", 2048), ("paged", 512), ("paged", 2048)):
         q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
         qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
@@ -148,6 +165,59 @@ def prefill_host(with_profile: bool):
               f"attention.launch {bare:.1f} us")
         if with_profile and s == 512:
             profile(f"prefill {kind} 1x{s} run()", call)
+
+
+def fast_launch_ab(rounds: int, with_profile: bool):
+    """run() host us a call with the fast launch path off and on, alternating (rates drift between processes)."""
+    import statistics
+    dev = "cuda"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    calls = {}
+    for batch, kv in ((1, 8192), (256, 1024)):
+        pages = (kv + 15) // 16
+        cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages
+        indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
+        last = torch.full((batch,), 16, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=False, backend="triton")
+        w.plan(indptr.cpu(), indices.cpu(), last.cpu(), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        calls[f"decode batch {batch} kv {kv} run()"] = (lambda w=w, q=q, c=cache, o=out: w.run(q, c, out=o))
+    s = 512
+    q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
+    qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
+    k, v = (torch.randn(s, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    wp = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD",
+                                                        backend="triton")
+    wp.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+    out_p = torch.empty_like(q)
+    calls[f"prefill ragged 1x{s} run()"] = lambda: wp.run(q, k, v, out=out_p)
+    times = {(name, on): [] for name in calls for on in (False, True)}
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            fast_launch.ENABLED = on
+            for name, call in calls.items():
+                times[(name, on)].append(per_call_us(call))
+        last = {name: (times[(name, False)][-1], times[(name, True)][-1]) for name in calls}
+        print(f"round {r}: " + "; ".join(f"{name} off {off:.1f} / on {on:.1f} us" for name, (off, on) in last.items()))
+    print(f"--- fast launch A/B, median of {rounds} rounds (host us a call, {len(calls)} cases)")
+    for name in calls:
+        off, on = statistics.median(times[(name, False)]), statistics.median(times[(name, True)])
+        print(f"{name}: off {off:.1f} us, on {on:.1f} us, saved {off - on:.1f} us ({off / on:.2f}x)")
+    # the same outputs both ways (the GPU tests check bits; this is a smoke check of the probe's own calls)
+    first = lambda result: (result[0] if isinstance(result, tuple) else result).clone()  # noqa: E731
+    for name, call in calls.items():
+        fast_launch.ENABLED = False
+        a = first(call())
+        fast_launch.ENABLED = True
+        b = first(call())
+        print(f"{name}: outputs bitwise equal off/on: {torch.equal(a, b)}")
+    if with_profile:
+        fast_launch.ENABLED = True
+        for name, call in calls.items():
+            profile(f"{name}, fast launch on", call)
+    fast_launch.ENABLED = False
 
 
 if __name__ == "__main__":

@@ -127,3 +127,27 @@ def test_fp8_attention_takes_the_kernel_where_it_serves(monkeypatch):
     assert not ws.takes_fp8(torch.device("cpu"), 128, 16, 4096)
     monkeypatch.setattr(ws, "_capability", lambda device: (8, 0))
     assert not ws.takes_fp8(cuda, 128, 16, 4096)
+
+
+def test_tma_descriptor_validates_once_and_equals_the_dataclass():
+    """_tma_descriptor skips TensorDescriptor's checks after a (dtype, strides, block shape) passed them once: the
+    result equals the dataclass built the usual way, and a misaligned base or an empty shape is still checked."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    t = torch.randn(64, 8, 128, dtype=torch.bfloat16)
+    shape, strides, block = [64 * 8, 128], [128, 1], [16, 128]
+    def fields(desc):  # the base by identity (tensors do not compare as one bool)
+        return {k: (id(v) if k == "base" else v) for k, v in vars(desc).items()}
+
+    later = t[8:]
+    first = ws._tma_descriptor(t, shape, strides, block)
+    again = ws._tma_descriptor(later, [56 * 8, 128], strides, block)
+    assert (t.dtype, tuple(strides), tuple(block)) in ws._VALIDATED
+    layout = ws._smem_layout((16, 128), t.dtype)
+    assert fields(first) == fields(TensorDescriptor(t, shape, strides, block, layout))
+    assert fields(again) == fields(TensorDescriptor(later, [56 * 8, 128], strides, block, layout))
+    assert type(again) is TensorDescriptor
+    flat = t.view(-1)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        ws._tma_descriptor(flat[1:], [100, 128], strides, block)  # 2-byte offset: checked again, refused
+    with pytest.raises(AssertionError, match="shape must be positive"):
+        ws._tma_descriptor(t, [0, 128], strides, block)

@@ -22,6 +22,7 @@ except (ImportError, AttributeError):
     attention_ws = None
 from . import gather
 from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
+from .launch import launch as launch_jit
 
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
@@ -361,13 +362,10 @@ def transpose_v_kernel(V, VT, vt_work, kv_indptr, kv_indices, last_page_len, kv_
 
 def kv_strides(t: torch.Tensor, kv_layout: str, paged: bool):
     """(page, slot, head) element strides of a 4-D paged K or V cache, or (token, 0, head) of ragged K/V."""
+    s = t.stride()
     if paged:
-        if kv_layout == "NHD":
-            return t.stride(0), t.stride(1), t.stride(2)
-        return t.stride(0), t.stride(2), t.stride(1)
-    if kv_layout == "NHD":
-        return t.stride(0), 0, t.stride(1)
-    return t.stride(1), 0, t.stride(0)
+        return (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1])
+    return (s[0], 0, s[1]) if kv_layout == "NHD" else (s[1], 0, s[0])
 
 
 def _present(placeholder, *tensors):
@@ -461,14 +459,14 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
         vt_tokens = plan.vt_tokens
         vt = torch.empty((plan.num_kv_heads, plan.head_dim, vt_tokens), dtype=v.dtype, device=v.device)
-        transpose_v_kernel[(plan.vt_work.numel() // 2, plan.num_kv_heads)](
+        launch_jit(transpose_v_kernel, (plan.vt_work.numel() // 2, plan.num_kv_heads),
             v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
             plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens,
             HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N, PAGE_SIZE=plan.page_size, PAGED=plan.paged)
     if ws and attention_ws.launch(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
                                   vs_dev, descales, vt if plan.vt_work is not None else None):
         return
-    prefill_kernel[(grid0, plan.num_kv_heads)](
+    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
         q, k, v, out, lse_arg,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,

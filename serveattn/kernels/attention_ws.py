@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..policy import FP8_DTYPES, cuda_properties
 from .common import LAUNCH_OPTIONS, SOFTMAX_FMA
+from .launch import launch as launch_jit
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
@@ -523,11 +524,28 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int, head_dim: int):
     return slot_stride, page_stride // slot_stride, head_rows, head_cols
 
 
+_VALIDATED = set()  # (dtype, strides, block shape) a TensorDescriptor has validated
+
+
+def _tma_descriptor(base: torch.Tensor, shape: list, strides: list, block_shape: list) -> TensorDescriptor:
+    """A TensorDescriptor, its dataclass checks (a third of our launch's host time) made once per (dtype,
+    strides, block shape): what they check depends on nothing else but the base's alignment and the shape's
+    positivity, checked here on every call (the callers have checked both already)."""
+    key = (base.dtype, tuple(strides), tuple(block_shape))
+    if key not in _VALIDATED or base.data_ptr() % 16 or min(shape) <= 0:
+        desc = TensorDescriptor(base, shape, strides, block_shape, _smem_layout(tuple(block_shape), base.dtype))
+        _VALIDATED.add(key)
+        return desc
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape,
+                         layout=_smem_layout(tuple(block_shape), base.dtype), padding="zero")
+    return desc
+
+
 def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     rows = cdiv(extent, slot_stride)  # host integers: triton.cdiv is a jit function, microseconds a call
-    return TensorDescriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim],
-                            _smem_layout((box, head_dim), t.dtype)), rows
+    return _tma_descriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim]), rows
 
 
 def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int]) -> bool:
@@ -545,11 +563,10 @@ def _q_descriptor(q: torch.Tensor, group: int, head_dim: int):
     group's 64 rows are not whole tokens or q's strides do not suit TMA. SERVEATTN_PREFILL_WS_QTMA=0: never."""
     if os.environ.get("SERVEATTN_PREFILL_WS_QTMA", "1") != "1" or (BLOCK_M.value // 2) % group:
         return None
-    es = q.element_size()
-    if q.stride(2) != 1 or (q.stride(0) * es) % 16 or (q.stride(1) * es) % 16 or q.data_ptr() % 16:
+    es, strides = q.element_size(), q.stride()
+    if strides[2] != 1 or (strides[0] * es) % 16 or (strides[1] * es) % 16 or q.data_ptr() % 16:
         return None
-    box = (BLOCK_M.value // 2 // group, group, head_dim)
-    return TensorDescriptor(q, list(q.shape), list(q.stride()), list(box), _smem_layout(box, q.dtype))
+    return _tma_descriptor(q, list(q.shape), list(strides), [BLOCK_M.value // 2 // group, group, head_dim])
 
 
 def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
@@ -598,8 +615,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     k_desc, k_rows = _descriptor(k, k_map[0], box, plan.head_dim)
     if fp8:
         v_rows = plan.num_kv_heads * plan.head_dim
-        v_desc = TensorDescriptor(vt, [v_rows, vt.shape[-1]], [vt.shape[-1], 1], [plan.head_dim, BLOCK_N.value],
-                                  _smem_layout((plan.head_dim, BLOCK_N.value), vt.dtype))
+        v_desc = _tma_descriptor(vt, [v_rows, vt.shape[-1]], [vt.shape[-1], 1], [plan.head_dim, BLOCK_N.value])
         dq, dk, dv = descales
         descale_args = (plan.kv_tok_indptr, dq, dk, dv, int(dq.numel() > 1), int(dk.numel() > 1))
     else:
@@ -613,7 +629,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     programs = grid0 * plan.num_kv_heads
     if os.environ.get("SERVEATTN_PREFILL_WS_PERSISTENT", "1") == "1":
         programs = min(programs, _num_sms(q.device))
-    prefill_ws_kernel[(programs, 1)](
+    launch_jit(prefill_ws_kernel, (programs, 1),
         q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
 from .common import LAUNCH_OPTIONS, to_dtype
+from .launch import launch as launch_jit
 from .sizes import next_pow2
 
 
@@ -186,7 +187,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     fused = done_count is not None and bool(merge_rows)
     kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
-    decode_kernel[(plan.num_kv_heads, min(grid0, 65535))](
+    launch_jit(decode_kernel, (plan.num_kv_heads, min(grid0, 65535)),
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
         plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot, plan.req_num_slots,
@@ -206,7 +207,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     if merge_rows and not fused:
-        merge_kernel[(merge_rows, plan.num_kv_heads)](
+        launch_jit(merge_kernel, (merge_rows, plan.num_kv_heads),
             plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
             out.stride(0), out.stride(1), slb, slh,
             NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .common import widen
+from .launch import launch as launch_jit
 from .sizes import next_pow2
 
 
@@ -45,7 +46,7 @@ def gather_widen(k, v, ko, vo, page_req, kv_indptr, kv_indices, last_page_len, t
     """Launches gather_widen_kernel over num_pages table entries (sk/sv: (page, slot, head) strides)."""
     if num_pages == 0:
         return
-    gather_widen_kernel[(num_pages, num_kv_heads)](
+    launch_jit(gather_widen_kernel, (num_pages, num_kv_heads),
         k, v, ko, vo, page_req, kv_indptr, kv_indices, last_page_len, tok_indptr,
         *sk, *sv, ko.stride(0), ko.stride(1),
         PAGE_SIZE=page_size, BLOCK_S=next_pow2(page_size), HEAD_DIM=head_dim)

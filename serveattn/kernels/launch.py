@@ -1,0 +1,187 @@
+"""Kernel launches that skip most of Triton's per-call host work (JITFunction.run), for the eager path.
+
+`launch(jit_fn, grid, *args, **kwargs)` stands for `jit_fn[grid](*args, **kwargs)`. With the switch on
+(SERVEATTN_FAST_LAUNCH=1, read at import into ENABLED; tests and probes flip the attribute) a call whose arguments
+fall in a class seen before goes straight to the compiled kernel's launcher: no binder (a native_specialize_impl
+call per parameter), no cache-key string, no launch-metadata dict, no hook calls, and the globals the kernel reads
+checked by identity instead of by value. The class is our own key of the arguments, at least as fine as Triton's
+specialization (tests/test_fast_launch.py checks that against Triton's binder), so a class maps to one compiled
+kernel. The first call of a class, and any call we cannot key, takes Triton's own path, which compiles or finds the
+kernel and launches it.
+
+Triton internals relied on (triton 3.6): JITFunction.params (KernelParam: is_constexpr, do_not_specialize,
+do_not_specialize_on_alignment, default), JITFunction.pre_run_hooks / used_global_vals, CompiledKernel.run /
+function / packed_metadata, the launcher's argument order (grid x3, stream, function, packed metadata, launch
+metadata, enter hook, exit hook, every parameter in signature order), knobs.runtime.launch_enter_hook /
+launch_exit_hook as HookChain, and what native_specialize_impl distinguishes.
+"""
+import os
+
+import torch
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime.driver import driver as _driver
+from triton.runtime.jit import JITFunction
+
+try:  # Gluon's host-side TMA descriptor (the warp-specialized prefill kernel takes three)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonTensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    _GluonTensorDescriptor = None
+
+ENABLED = os.environ.get("SERVEATTN_FAST_LAUNCH", "0") == "1"
+
+_STATE_ATTR = "_serveattn_fast_launch"
+
+
+class UnkeyedArgument(Exception):
+    """An argument of a kind our key does not cover: the call takes Triton's own path."""
+
+
+class _KernelLaunches:
+    """Per JIT function: the key functions (one per count of positional arguments) and the launch entries."""
+
+    def __init__(self, jit_fn):
+        self.params = jit_fn.params
+        self.key_functions = {}
+        # (device, debug, instrumentation mode, keyword arguments, positional key) ->
+        # (launcher, CUfunction, packed metadata, trailing parameter values, CompiledKernel, globals read)
+        self.entries = {}
+
+
+def _param_key_expression(name: str, param) -> str:
+    """Python expression of one parameter's key part. Parts of different argument kinds never compare equal: a
+    tensor gives a torch.dtype (16-byte aligned, or alignment not specialized) or a 1-tuple, an i32 int an int in
+    -1..1 (or just 0), the rest strings, None or tuples of 2 or more."""
+    if param.is_constexpr:
+        return name  # Triton compiles one kernel per value (and, like Triton, takes True == 1)
+    specialize = not param.do_not_specialize
+    align = specialize and not param.do_not_specialize_on_alignment
+    tensor = f"({name}.dtype if not {name}.data_ptr() & 15 else ({name}.dtype,))" if align else f"{name}.dtype"
+    # an i32 int: 1 (a constant to Triton), divisible by 16 (-1) or neither (0); unspecialized: its type only
+    small = f"(({name} == 1) - (not {name} & 15))" if specialize else "0"
+    integer = f"({small} if -0x80000000 <= {name} <= 0x7fffffff else _wide_int_key({name}, {specialize}))"
+    return (f"({tensor} if {name}.__class__ is _Tensor else {integer} if {name}.__class__ is int "
+            f"else _other_key({name}))")
+
+
+def _wide_int_key(value: int, specialize: bool):
+    """An int outside i32: Triton's i64 or u64 (above u64 Triton raises; so will the launcher), divisibility."""
+    return ("u64" if value > 0x7fffffffffffffff else "i64", specialize and not value & 15)
+
+
+def _other_key(value):
+    """Key part of the argument kinds the generated expression leaves out (every parameter flag at its finest)."""
+    cls = value.__class__
+    if cls is bool:
+        return "u1"  # Triton: ("u1", None) whatever the value
+    if cls is float:
+        return "fp32"  # Triton: ("fp32", None) whatever the value
+    if value is None:
+        return None  # Triton: ("constexpr", None)
+    if cls is _GluonTensorDescriptor:
+        # Triton's string holds the dtype, block shape and layout; padding goes in too (finer costs nothing)
+        return ("desc", value.base.dtype, tuple(value.block_shape), value.layout, value.padding)
+    if isinstance(value, torch.Tensor):  # a subclass (nn.Parameter, ...)
+        return (value.dtype, not value.data_ptr() & 15)
+    raise UnkeyedArgument(cls.__name__)
+
+
+def _key_function(launches: _KernelLaunches, num_args: int):
+    """The positional arguments' key as one generated function (an expression per parameter: no call per
+    argument, no loop)."""
+    if num_args > len(launches.params):
+        raise UnkeyedArgument("more positional arguments than parameters")
+    names = [f"a{i}" for i in range(num_args)]
+    parts = [_param_key_expression(n, p) for n, p in zip(names, launches.params)]
+    source = f"def positional_key({', '.join(names)}):\n    return ({''.join(p + ', ' for p in parts)})\n"
+    namespace = {"_Tensor": torch.Tensor, "_other_key": _other_key, "_wide_int_key": _wide_int_key}
+    exec(source, namespace)
+    return namespace["positional_key"]
+
+
+def _launches_of(jit_fn):
+    """The JIT function's launch state; None when the fast path never applies to it (an interpreted function
+    under TRITON_INTERPRET=1 is no JITFunction, and Gluon's JIT function is one)."""
+    launches = jit_fn.__dict__.get(_STATE_ATTR)
+    if launches is None:
+        launches = False if _interpreted(jit_fn) else _KernelLaunches(jit_fn)
+        setattr(jit_fn, _STATE_ATTR, launches)
+    return launches or None
+
+
+def _interpreted(jit_fn) -> bool:
+    return not isinstance(jit_fn, JITFunction) or knobs.runtime.interpret
+
+
+def _hook_idle(hook) -> bool:
+    return hook is None or (hook.__class__ is HookChain and not hook.calls)
+
+
+def arguments_key(launches: _KernelLaunches, args, kwargs):
+    """Our key of one call's arguments (without the device and Triton's debug knobs); raises UnkeyedArgument."""
+    key_function = launches.key_functions.get(len(args))
+    if key_function is None:
+        key_function = launches.key_functions[len(args)] = _key_function(launches, len(args))
+    return tuple(kwargs.items()), key_function(*args)
+
+
+def _trailing_values(launches: _KernelLaunches, num_args: int, kwargs):
+    """Values of the parameters after the positional ones, in signature order, defaults applied (what Triton's
+    binder passes); None when one is a runtime argument given by name (its value changes per call)."""
+    values = []
+    for param in launches.params[num_args:]:
+        if param.name in kwargs:
+            if not param.is_constexpr:
+                return None
+            values.append(kwargs[param.name])
+        elif param.has_default:
+            values.append(param.default)
+        else:
+            return None
+    return tuple(values)
+
+
+_MISSING = object()
+
+
+def _globals_read(jit_fn):
+    """(namespace, name, object) of each global the kernel reads. Triton compares values on every call
+    (constexpr comparisons: 4.5 us for prefill_kernel's seven, 0.7 us for decode_kernel's one, on a 2-core dev CPU); an
+    identity check is ~0.1 us each."""
+    return tuple((namespace, name, namespace.get(name, _MISSING))
+                 for (name, _), (_, namespace) in jit_fn.used_global_vals.items())
+
+
+def launch(jit_fn, grid, *args, **kwargs):
+    """jit_fn[grid](*args, **kwargs), without Triton's per-call work once this argument class has launched."""
+    if not ENABLED:
+        return jit_fn[grid](*args, **kwargs)
+    launches = _launches_of(jit_fn)
+    runtime = knobs.runtime
+    if (launches is None or jit_fn.pre_run_hooks or callable(grid)
+            or not (_hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook))):
+        return jit_fn[grid](*args, **kwargs)
+    active = _driver.active
+    device = active.get_current_device()
+    try:
+        key = (device, runtime.debug, knobs.compilation.instrumentation_mode) + arguments_key(launches, args, kwargs)
+        entry = launches.entries.get(key)
+    except Exception:  # an argument we cannot key (or an unhashable constexpr): Triton's path decides
+        return jit_fn[grid](*args, **kwargs)
+    if entry is None:
+        kernel = jit_fn[grid](*args, **kwargs)
+        trailing = _trailing_values(launches, len(args), kwargs)
+        if kernel is not None and trailing is not None:
+            # kernel.run is the launcher once the call above has loaded the binary
+            launches.entries[key] = (kernel.run, kernel.function, kernel.packed_metadata, trailing, kernel,
+                                     _globals_read(jit_fn))
+        return kernel
+    launcher, function, packed_metadata, trailing, kernel, globals_read = entry
+    for namespace, name, value in globals_read:
+        if namespace.get(name, _MISSING) is not value:  # rebound since: Triton's path checks (and raises)
+            return jit_fn[grid](*args, **kwargs)
+    size = len(grid)
+    # launch metadata and hooks: None, as the launcher skips both then (Triton passes empty HookChains)
+    launcher(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, active.get_current_stream(device),
+             function, packed_metadata, None, None, None, *args, *trailing)
+    return kernel
