@@ -20,6 +20,7 @@
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
 #   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
+#   scripts/gpu_run.sh fi-setup bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -49,8 +50,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-save-cache) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-save-cache" >&2; exit 2 ;;
   esac
 done
 
@@ -82,6 +83,38 @@ for mod in ("triton", "numpy", "pytest", "hypothesis", "tqdm", "flashinfer"):
 EOF
   } 2>&1 | tee "$OUT/env.txt"
   return "${PIPESTATUS[0]}"
+}
+
+FI_SITE=/tmp/fi-site  # FlashInfer unpacked here (fi-setup)
+FI_WS=/tmp/fi-ws      # FLASHINFER_WORKSPACE_BASE: its JIT cache, <FI_WS>/.cache/flashinfer/<version>/<arch>/cached_ops
+
+step_fi_setup() {  # FlashInfer 0.7.2 as a peer: .fi from ../shared/tools/flashinfer-bundle.sh (git-ignored; name
+  # .fi in the device tool's carry). Exports stay for the later steps of this call. FlashInfer compiles each kernel
+  # configuration at its first use (12 s to 2 min on the H200): the benches do that in their untimed first call;
+  # fi-save-cache brings the compiled modules back, and a carried .fi/fi-jit-cache*.tgz is unpacked here.
+  if [ ! -f .fi/fi.tgz ]; then
+    echo "fi-setup: .fi/fi.tgz is not here: run ../shared/tools/flashinfer-bundle.sh at the repository root and carry .fi"
+    return 1
+  fi
+  mkdir -p "$FI_SITE" "$FI_WS" && tar xzf .fi/fi.tgz -C "$FI_SITE" \
+    && python3 -m pip install -q --no-index --no-deps --target "$FI_SITE" .fi/apache_tvm_ffi-*.whl || return 1
+  local f
+  for f in .fi/fi-jit-cache*.tgz; do
+    [ -f "$f" ] && tar xzf "$f" -C "$FI_WS" && echo "fi-setup: unpacked $f"
+  done
+  export PYTHONPATH="$FI_SITE:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$FI_WS"
+  python3 -c "import flashinfer; print('fi-setup: flashinfer', flashinfer.__version__, flashinfer.__file__)"
+}
+
+step_fi_save_cache() {  # the compiled FlashInfer modules (.so only) as $OUT/fi-jit-cache-N.tgz, 15 MB pieces
+  local cache="$FI_WS/.cache"
+  if [ ! -d "$cache" ]; then echo "fi-save-cache: no FlashInfer JIT cache under $FI_WS"; return 1; fi
+  (cd "$FI_WS" && find .cache -name "*.so" -print0 | tar czf /tmp/fi-jit-cache.tgz --null -T -) || return 1
+  split -b 15m -d /tmp/fi-jit-cache.tgz /tmp/fi-jit-cache.part || return 1
+  local part n=0
+  for part in /tmp/fi-jit-cache.part*; do cp "$part" "$OUT/fi-jit-cache-$n.part"; n=$((n + 1)); done
+  ls -la "$OUT"/fi-jit-cache-*.part
+  echo "fi-save-cache: here: cat fi-jit-cache-*.part > .fi/fi-jit-cache.tgz (carried with .fi, under 64 MiB in all)"
 }
 
 step_tests() {
@@ -274,6 +307,8 @@ for s in "${STEPS[@]}"; do
     probe-softmax-fma) step_probe_softmax_fma ;;
     probe-decode-small-batch) step_probe_decode_small_batch ;;
     probe-fast-launch) step_probe_fast_launch ;;
+    fi-setup) step_fi_setup ;;
+    fi-save-cache) step_fi_save_cache ;;
   esac
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
