@@ -52,6 +52,28 @@ def profile(label, fn, n=300):
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def _decode_inputs(batch: int, kv: int, dev: str):
+    """(cache, indptr, indices, last_page_len, q, out): batch requests of kv keys, GQA 32/8, d128, bf16, pages of
+    16 in shuffled order."""
+    pages = (kv + 15) // 16
+    cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages
+    indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
+    last = torch.full((batch,), 16, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
+    return cache, indptr, indices, last, q, torch.empty_like(q)
+
+
+def _ragged_prefill(s: int, ws, dev: str):
+    """(planned ragged wrapper, q, k, v): one causal request of s tokens, GQA 32/8, d128, bf16."""
+    q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
+    qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
+    k, v = (torch.randn(s, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="triton")
+    w.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+    return w, q, k, v
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
@@ -66,13 +88,7 @@ def main():
     if args.prefill:
         return prefill_host(args.profile)
     for batch, kv in ((1, 8192), (256, 1024)):
-        pages = (kv + 15) // 16
-        cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
-        indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages
-        indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
-        last = torch.full((batch,), 16, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
+        cache, indptr, indices, last, q, out = _decode_inputs(batch, kv, dev)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
         for tc in (False, True):
             # backend="triton": the route use_tensor_cores names (auto may pick the other one)
@@ -84,7 +100,7 @@ def main():
             # what a serving engine pays every step under CUDA graphs: a re-plan into the captured buffers
             i32 = dict(dtype=torch.int32, device=dev)
             g = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
-                ws, torch.empty(batch + 1, **i32), torch.empty(batch * pages, **i32), torch.empty(batch, **i32),
+                ws, torch.empty(batch + 1, **i32), torch.empty(indices.numel(), **i32), torch.empty(batch, **i32),
                 use_tensor_cores=tc)
             replan_us = per_call_us(lambda: g.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             print(f"    CUDA-graph wrapper re-plan (captured buffers): {replan_us:.1f} us")
@@ -140,14 +156,12 @@ def prefill_host(with_profile: bool):
         line += f"; attention_ws._tma_descriptor {per_call_us(lambda: attention_ws._tma_descriptor(*desc_args)):.1f} us"
     print(line)
     for kind, s in (("ragged", 512), ("ragged", 2048), ("paged", 512), ("paged", 2048)):
-        q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
-        qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
         if kind == "ragged":
-            k, v = (torch.randn(s, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
-            w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="triton")
-            w.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+            w, q, k, v = _ragged_prefill(s, ws, dev)
             call, kv = (lambda: w.run(q, k, v)), (k, v)
         else:
+            q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
+            qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
             pages = s // 16
             cache = torch.randn(pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
             indices = torch.randperm(pages, device=dev).to(torch.int32)
@@ -174,23 +188,12 @@ def fast_launch_ab(rounds: int, with_profile: bool):
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     calls = {}
     for batch, kv in ((1, 8192), (256, 1024)):
-        pages = (kv + 15) // 16
-        cache = torch.randn(batch * pages, 2, 16, 8, 128, device=dev, dtype=torch.bfloat16)
-        indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * pages
-        indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
-        last = torch.full((batch,), 16, dtype=torch.int32, device=dev)
-        q = torch.randn(batch, 32, 128, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
+        cache, indptr, indices, last, q, out = _decode_inputs(batch, kv, dev)
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=False, backend="triton")
         w.plan(indptr.cpu(), indices.cpu(), last.cpu(), 32, 8, 128, 16, q_data_type=torch.bfloat16)
         calls[f"decode batch {batch} kv {kv} run()"] = (lambda w=w, q=q, c=cache, o=out: w.run(q, c, out=o))
     s = 512
-    q = torch.randn(s, 32, 128, device=dev, dtype=torch.bfloat16)
-    qo = torch.tensor([0, s], dtype=torch.int32, device=dev)
-    k, v = (torch.randn(s, 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    wp = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD",
-                                                        backend="triton")
-    wp.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16)
+    wp, q, k, v = _ragged_prefill(s, ws, dev)
     out_p = torch.empty_like(q)
     calls[f"prefill ragged 1x{s} run()"] = lambda: wp.run(q, k, v, out=out_p)
     times = {(name, on): [] for name in calls for on in (False, True)}

@@ -19,6 +19,19 @@ import torch  # noqa: E402
 import serveattn  # noqa: E402
 
 
+def best_us(fn, warmup: int, calls: int, rounds: int = 7) -> float:
+    """Microseconds a call of fn: the best of `rounds` timings of `calls` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
@@ -34,14 +47,7 @@ def main():
         def plan():
             w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
 
-        for _ in range(200):
-            plan()
-        best = float("inf")
-        for _ in range(7):
-            t = time.perf_counter()
-            for _ in range(300):
-                plan()
-            best = min(best, (time.perf_counter() - t) / 300 * 1e6)
+        best = best_us(plan, warmup=200, calls=300)
         print(f"decode plan, batch 256, {'tensor-core' if tc else 'bandwidth'} route: {best:.1f} us", flush=True)
         if args.profile:
             prof = cProfile.Profile()

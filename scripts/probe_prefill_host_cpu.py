@@ -11,13 +11,13 @@ import argparse
 import cProfile
 import os
 import pstats
-import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 import serveattn  # noqa: E402
+from probe_plan_cpu import best_us  # noqa: E402  (scripts/, beside this file)
 from serveattn.kernels import attention_ws  # noqa: E402
 
 
@@ -47,14 +47,7 @@ def main():
     out = torch.empty_like(q)
     for name, call in (("ragged", lambda: ragged.run(q, k, v, out=out)),
                        ("paged", lambda: paged.run(q, cache, out=out))):
-        for _ in range(200):
-            call()
-        best = float("inf")
-        for _ in range(7):
-            t = time.perf_counter()
-            for _ in range(2000):
-                call()
-            best = min(best, (time.perf_counter() - t) / 2000 * 1e6)
+        best = best_us(call, warmup=200, calls=2000)
         print(f"prefill {name} 1x{s} run(), our Python (kernel launch stubbed): {best:.1f} us")
         if args.profile:
             prof = cProfile.Profile()
