@@ -286,11 +286,18 @@ def test_off_means_triton_path(fake_triton, monkeypatch):
     assert len(triton_calls) == 3 and fast._STATE_ATTR not in jit_fn.__dict__
 
 
-def test_off_by_default(monkeypatch):
+def test_on_by_default_on_triton_3_6_only(monkeypatch):
     monkeypatch.delenv("SERVEATTN_FAST_LAUNCH", raising=False)
     try:
-        assert importlib.reload(fast).ENABLED is False
+        assert importlib.reload(fast).ENABLED is triton.__version__.startswith("3.6.")
+        monkeypatch.setattr(triton, "__version__", "3.7.0")
+        assert importlib.reload(fast).ENABLED is False  # internals not checked there: Triton's own path
         monkeypatch.setenv("SERVEATTN_FAST_LAUNCH", "1")
+        assert importlib.reload(fast).ENABLED is True
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        monkeypatch.setenv("SERVEATTN_FAST_LAUNCH", "0")
+        assert importlib.reload(fast).ENABLED is False
+        monkeypatch.delenv("SERVEATTN_FAST_LAUNCH")
         assert importlib.reload(fast).ENABLED is True
     finally:
         monkeypatch.undo()

@@ -1,7 +1,8 @@
 """Kernel launches that skip most of Triton's per-call host work (JITFunction.run), for the eager path.
 
 `launch(jit_fn, grid, *args, **kwargs)` stands for `jit_fn[grid](*args, **kwargs)`. With the switch on
-(SERVEATTN_FAST_LAUNCH=1, read at import into ENABLED; tests and probes flip the attribute) a call whose arguments
+(the default on the Triton it was written against, 3.6; SERVEATTN_FAST_LAUNCH=0 turns it off, =1 forces it on another
+Triton; read at import into ENABLED, tests and probes flip the attribute) a call whose arguments
 fall in a class seen before goes straight to the compiled kernel's launcher: no binder (a native_specialize_impl
 call per parameter), no cache-key string, no launch-metadata dict, no hook calls, and the globals the kernel reads
 checked by identity instead of by value. The class is our own key of the arguments, at least as fine as Triton's
@@ -18,6 +19,7 @@ launch_exit_hook as HookChain, and what native_specialize_impl distinguishes.
 import os
 
 import torch
+import triton
 from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver as _driver
@@ -28,7 +30,9 @@ try:  # Gluon's host-side TMA descriptor (the warp-specialized prefill kernel ta
 except ImportError:  # pragma: no cover - a Triton without Gluon
     _GluonTensorDescriptor = None
 
-ENABLED = os.environ.get("SERVEATTN_FAST_LAUNCH", "0") == "1"
+# On by default only where the internals above were checked: another Triton takes its own path unless asked.
+_SWITCH = os.environ.get("SERVEATTN_FAST_LAUNCH", "")
+ENABLED = _SWITCH == "1" or (_SWITCH == "" and triton.__version__.startswith("3.6."))
 
 _STATE_ATTR = "_serveattn_fast_launch"
 
