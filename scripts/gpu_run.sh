@@ -20,7 +20,7 @@
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
 #   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
-#   scripts/gpu_run.sh fi-setup bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
+#   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
 #
@@ -50,8 +50,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-save-cache) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-save-cache" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache" >&2; exit 2 ;;
   esac
 done
 
@@ -104,6 +104,12 @@ step_fi_setup() {  # FlashInfer 0.7.2 as a peer: .fi from ../shared/tools/flashi
   done
   export PYTHONPATH="$FI_SITE:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$FI_WS"
   python3 -c "import flashinfer; print('fi-setup: flashinfer', flashinfer.__version__, flashinfer.__file__)"
+}
+
+step_fi_warm() {  # FlashInfer's bench configurations compiled side by side (scripts/fi_warm.py), after fi-setup
+  timeout "${FI_WARM_TIMEOUT:-300}" python3 scripts/fi_warm.py 2>&1 | grep -v "^ *warn\|Warning" | tail -40 \
+    | tee "$OUT/fi-warm.txt"
+  return "${PIPESTATUS[0]}"
 }
 
 step_fi_save_cache() {  # the compiled FlashInfer modules (.so only) as $OUT/fi-jit-cache-N.tgz, 15 MB pieces
@@ -308,6 +314,7 @@ for s in "${STEPS[@]}"; do
     probe-decode-small-batch) step_probe_decode_small_batch ;;
     probe-fast-launch) step_probe_fast_launch ;;
     fi-setup) step_fi_setup ;;
+    fi-warm) step_fi_warm ;;
     fi-save-cache) step_fi_save_cache ;;
   esac
   RC[$s]=$?
