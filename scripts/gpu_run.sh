@@ -98,6 +98,10 @@ step_probe_fp8_key_order() {  # next/fp8-p-permute: fp8 P handed to P.V in the a
       SERVEATTN_FP8_KEY_ORDER=$f timeout 80 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 \
         --kinds fp8
     done
+    for f in 1 0; do  # session 13: the first run lost 50-420 us a call with the switch on; which kernel
+      echo "== SERVEATTN_FP8_KEY_ORDER=$f, kernel device times"
+      SERVEATTN_FP8_KEY_ORDER=$f timeout 80 python3 scripts/probe_prefill.py --cases 1x4096,16x2048 --kinds fp8 --profile
+    done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-key-order.txt"
   return "${PIPESTATUS[0]}"
 }
