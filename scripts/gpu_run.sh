@@ -20,7 +20,7 @@
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
 #   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
-#   scripts/gpu_run.sh probe-fp8-key-order   # fp8 GPU tests with SERVEATTN_FP8_KEY_ORDER=1, then fp8 prefill 1/0 alternating
+#   scripts/gpu_run.sh probe-fp8-key-order   # fp8 GPU tests with SERVEATTN_FP8_KEY_ORDER=1, then fp8 prefill 1/0 alternating (on since session 13)
 #   scripts/gpu_run.sh fi-setup bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill

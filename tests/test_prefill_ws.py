@@ -37,7 +37,7 @@ def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, softmax_f
 
 
 def test_fp8_key_order_hands_p_over_without_lane_shuffles(tmp_path):
-    """SERVEATTN_FP8_KEY_ORDER=1 (prepared; not yet run on a GPU): fp8 P goes to the second product in the key
+    """SERVEATTN_FP8_KEY_ORDER (on by default): fp8 P goes to the second product in the key
     order the accumulator of S holds per lane (V^T written alike), so the layout change to the A operand moves
     no value between lanes: the compiled kernel keeps only the row reductions' shuffles (sm_90 SASS, session 12:
     SHFL 96 -> 32, PRMT 584 -> 519, 6840 -> 6600 instructions)."""
