@@ -20,6 +20,7 @@
 #   scripts/gpu_run.sh probe-prefill-profile # paged vs ragged prefill: time per call and each kernel's device time (torch profiler)
 #   scripts/gpu_run.sh probe-softmax-fma     # prefill GPU tests with SERVEATTN_SOFTMAX_FMA=1, then alternating processes 1/0
 #   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
+#   scripts/gpu_run.sh probe-fp8-key-order   # fp8 GPU tests with SERVEATTN_FP8_KEY_ORDER=1, then fp8 prefill 1/0 alternating (on since session 13)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -50,8 +51,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order" >&2; exit 2 ;;
   esac
 done
 
@@ -82,6 +83,26 @@ for mod in ("triton", "numpy", "pytest", "hypothesis", "tqdm", "flashinfer"):
         print(mod, "not importable:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 EOF
   } 2>&1 | tee "$OUT/env.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_fp8_key_order() {  # next/fp8-p-permute: fp8 P handed to P.V in the accumulator's key order
+  {
+    # the warp-specialized fp8 tests assert bitwise prefill_kernel's result: with the switch the two sum P.V's
+    # keys in different orders inside a wgmma's 32-key chunk, so a failure there says the tensor cores round
+    # by order (then those tests compare accuracy instead); test_fp8_attention.py must pass as it is
+    SERVEATTN_FP8_KEY_ORDER=1 timeout 240 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_prefill_ws_gpu.py \
+      tests/test_fp8_attention.py tests/test_fp8_kv.py 2>&1 | grep -v Warning | tail -25
+    for f in 1 0 1 0; do  # a module constant: one process per setting
+      echo "== SERVEATTN_FP8_KEY_ORDER=$f"
+      SERVEATTN_FP8_KEY_ORDER=$f timeout 80 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384,16x2048 \
+        --kinds fp8
+    done
+    for f in 1 0; do  # session 13: the first run lost 50-420 us a call with the switch on; which kernel
+      echo "== SERVEATTN_FP8_KEY_ORDER=$f, kernel device times"
+      SERVEATTN_FP8_KEY_ORDER=$f timeout 80 python3 scripts/probe_prefill.py --cases 1x4096,16x2048 --kinds fp8 --profile
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-key-order.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -315,6 +336,7 @@ for s in "${STEPS[@]}"; do
     probe-fast-launch) step_probe_fast_launch ;;
     fi-setup) step_fi_setup ;;
     fi-warm) step_fi_warm ;;
+    probe-fp8-key-order) step_probe_fp8_key_order ;;
     fi-save-cache) step_fi_save_cache ;;
   esac
   RC[$s]=$?

@@ -4,6 +4,7 @@ and cache), timing only, so kernel knobs that give up a contract can be measured
     PYTHONPATH=$PWD python3 scripts/probe_prefill.py [--cases 1x8192,16x2048] [--kinds bf16,kv8,fp8]
         [--tiles "128,128,8,2;128,256,8,2"]   # sweeps SERVEATTN_PREFILL_TILES in one process
         [--ab "SERVEATTN_PREFILL_WS_QTMA=1;SERVEATTN_PREFILL_WS_QTMA=0" --rounds 3]   # A/B, settings in turn
+        [--profile]   # each kernel's device time a call (transposed V copy, page copy, attention)
 
 Knobs read from the environment: SERVEATTN_PREFILL_TILES=block_m,block_n,warps,stages, SERVEATTN_EARLY_V=0,
 SERVEATTN_FP8_VT=0 (no transposed V copy), SERVEATTN_FAST_WIDEN=0 (Triton's fp8 -> bf16 conversion),
@@ -31,6 +32,7 @@ def main():
                     "planned anew for each), e.g. SERVEATTN_PREFILL_WS_PERSISTENT=1;SERVEATTN_PREFILL_WS_PERSISTENT=0,"
                     " timed in turn, --rounds times each, on the same inputs in this process")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also each kernel's device time a call (CUDA profiler)")
     args = ap.parse_args()
     tile_sweep.sweep("SERVEATTN_PREFILL_TILES", args.tiles, lambda: probe(args))
 
@@ -73,6 +75,10 @@ def probe(args):
             w, fn = make_fn()
             ms = bench(fn)
             print(f"{case} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            if args.profile:
+                from probe_decode_profile import kernel_times  # scripts/, beside this file
+                for name, (calls, us) in sorted(kernel_times(fn, 20).items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+                    print(f"    {calls:4.1f} x {us:8.1f} us  {name[:90]}", flush=True)
 
 
 _timed_once = False

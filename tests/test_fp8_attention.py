@@ -221,3 +221,42 @@ def test_mixed_encodings_are_exact(device):
     ref, _ = reference.attention(_dequant(q8, sq), _dequant(k8, sk), _dequant(v8, sv), causal=True)
     out, _ = _single(q8.to(device), k8.to(device), v8.to(device), sq.to(device), sk.to(device), sv.to(device))
     assert rel_err(out, ref) < 5e-2
+
+
+_KEY_ORDER_PROBE = """
+import torch, triton, triton.language as tl
+from serveattn.kernels.common import vt_column
+@triton.jit
+def columns(o):
+    n = tl.arange(0, 64)
+    tl.store(o + n, vt_column(n))
+o = torch.zeros(64, dtype=torch.int32)
+columns[(1,)](o)
+pos = o.tolist()
+assert sorted(pos) == list(range(64)) and all(p // 32 == n // 32 for n, p in enumerate(pos))
+for a in range(32):  # position a = 16 h + 4 c + e of the fp8 A operand holds key 16 h + 8 (e // 2) + 2 c + e % 2
+    h, c, e = a // 16, a % 16 // 4, a % 4
+    assert pos[16 * h + 8 * (e // 2) + 2 * c + e % 2] == a
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the switch; the GPU runs it as a step")
+def test_fp8_key_order_is_a_permutation_and_off_still_serves():
+    """SERVEATTN_FP8_KEY_ORDER (on by default, for the warp-specialized kernel's shuffle-free P operand): the
+    transposed V copy holds each 32 keys in the accumulator order of S, a permutation within the 32 (checked
+    here), and prefill_kernel reads it back in key order, so this file's fp8 tests pass with it on (the suite)
+    and off (here), bitwise the graph path, which makes no copy."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", SERVEATTN_FP8_KEY_ORDER="1", PYTHONPATH=root)
+    run = subprocess.run([sys.executable, "-c", _KEY_ORDER_PROBE], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    env["SERVEATTN_FP8_KEY_ORDER"] = "0"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "transposed_v or calibrated_against_bf16"], capture_output=True, text=True, env=env,
+                         timeout=900, cwd=root)
+    assert run.returncode == 0, run.stdout[-3000:]

@@ -21,7 +21,7 @@ try:  # Gluon's Hopper API as Triton 3.6 has it; older Tritons get prefill_kerne
 except (ImportError, AttributeError):
     attention_ws = None
 from . import gather
-from .common import EARLY_V, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, widen
+from .common import EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, vt_column, widen
 from .launch import launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -192,7 +192,8 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
-        vt = VT + kvh.to(tl.int64) * vt_stride_h + dv[:, None].to(tl.int64) * vt_stride_d + (vt_base + n)[None, :]
+        vt = VT + kvh.to(tl.int64) * vt_stride_h + dv[:, None].to(tl.int64) * vt_stride_d + \
+            (vt_base + vt_column(n))[None, :]
         v = tl.trans(tl.load(vt))  # unmasked (so it streams): keys past kv_len are zeros up to the block's end
     elif EARLY:
         v = v_raw
@@ -355,7 +356,11 @@ def transpose_v_kernel(V, VT, vt_work, kv_indptr, kv_indices, last_page_len, kv_
     off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED)
     d = tl.arange(0, HEAD_DIM)
     v = tl.load(V + off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-    col = tl.multiple_of(tl.load(kv_tok_indptr + req), 16) + n
+    if FP8_KEY_ORDER:  # row c of the tile takes key vt_column^-1(c): permuted in registers so the stores stay
+        # contiguous (a computed vt_column(n) destination made them byte stores: H200, session 13)
+        v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_N // 32, 2, 2, 2, 2, 2, HEAD_DIM]), [0, 1, 3, 4, 2, 5, 6]),
+                       [BLOCK_N, HEAD_DIM])
+    col = tl.multiple_of(tl.load(kv_tok_indptr + req), 16) + n  # BLOCK_N: a multiple of 32
     dst = VT + kvh.to(tl.int64) * vt_stride_h + d[:, None].to(tl.int64) * vt_stride_d + col[None, :]
     tl.store(dst, tl.trans(v))
 

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ..policy import FP8_DTYPES, cuda_properties
-from .common import LAUNCH_OPTIONS, SOFTMAX_FMA
+from .common import FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA
 from .launch import launch as launch_jit
 from .sizes import cdiv
 
@@ -238,6 +238,8 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
+    if FP8 and FP8_KEY_ORDER:  # V^T holds the keys in this order (common.vt_column)
+        return _p_operand_permuted(p if SOFTMAX_FMA else p * P_SCALE, p_layout), alpha, m_new, l_i
     if SOFTMAX_FMA and FP8:
         p_op = p.to(gl.float8e4nv)
     elif FP8:
@@ -245,6 +247,28 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
     else:
         p_op = p.to(dtype)
     return gl.convert_layout(p_op, p_layout), alpha, m_new, l_i
+
+
+@gluon.jit
+def _p_operand_permuted(p, p_layout: gl.constexpr):
+    """fp8 P as the A operand of P.V without moving a value between lanes: within each 32 keys, A position
+    a = 16 h + 4 c + e (lane c of a quad, byte e of its register) takes key 16 h + 8 (e // 2) + 2 c + e % 2,
+    the key that lane already holds in the accumulator layout of S (two adjacent keys every 8). V^T is
+    written in the same order (common.vt_column). Four values to one register in
+    two cvt (the same rounding as Triton's fp32 -> e4m3 conversion)."""
+    rows: gl.constexpr = p.shape[0]
+    cols: gl.constexpr = p.shape[1]
+    # key bits (k4 k3 k2 k1 k0) -> A position bits (k4 k2 k1 k3 k0)
+    p = gl.reshape(gl.permute(gl.reshape(p, [rows, cols // 32, 2, 2, 2, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [rows, cols])
+    p = gl.convert_layout(p, p_layout)  # the same registers: a relabelling
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        }""",
+        "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
 
 
 @gluon.jit

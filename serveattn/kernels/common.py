@@ -35,6 +35,24 @@ FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
 # bitwise equal); for fp8 attention P_SCALE rides in that fma's exponent. On since session 12 (H200, alternating
 # processes: bf16 +2-3%, fp8 on the warp-specialized kernel +6-12%); SERVEATTN_SOFTMAX_FMA=0 measures without.
 SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA", "1") == "1")
+# fp8 attention's transposed V copy stores the keys of each 32 in the order the accumulator layout of S holds them
+# per lane (attention_ws._p_operand_permuted), so the warp-specialized kernel hands P to the tensor cores without
+# lane shuffles; prefill_kernel reads the copy back in key order (vt_column). Outputs stay bitwise equal to
+# prefill_kernel's (H200 GPU tests). On since session 13 (H200, alternating processes: fp8 prefill +4-5% at
+# 1x4096..16x2048); SERVEATTN_FP8_KEY_ORDER=0 measures without.
+FP8_KEY_ORDER: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_KEY_ORDER", "1") == "1")
+
+
+@triton.jit
+def vt_column(n):
+    """The column of key n in the transposed V copy: under FP8_KEY_ORDER, key bits (k4 k3 k2 k1 k0) of each 32
+    go to column bits (k4 k2 k1 k3 k0); else the key itself."""
+    if FP8_KEY_ORDER:
+        return (n & ~0x1F) | (n & 0x10) | ((n & 0x6) << 1) | ((n & 0x8) >> 2) | (n & 1)
+    else:
+        return n
+
+
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
