@@ -119,9 +119,18 @@ step_fi_setup() {  # FlashInfer 0.7.2 as a peer: .fi from ../shared/tools/flashi
   fi
   mkdir -p "$FI_SITE" "$FI_WS" && tar xzf .fi/fi.tgz -C "$FI_SITE" \
     && python3 -m pip install -q --no-index --no-deps --target "$FI_SITE" .fi/apache_tvm_ffi-*.whl || return 1
-  local f
+  # A carried cache's modules go where FlashInfer looks for ahead-of-time builds (<package>/data/aot/<name>/
+  # <name>.so): its JIT path would hand a bare .so to ninja, which rebuilds without the object files (session 13:
+  # fa3 prefill compiled again, 85 s).
+  local f so name
   for f in .fi/fi-jit-cache*.tgz; do
-    [ -f "$f" ] && tar xzf "$f" -C "$FI_WS" && echo "fi-setup: unpacked $f"
+    [ -f "$f" ] || continue
+    tar xzf "$f" -C "$FI_WS" || return 1
+    while IFS= read -r so; do
+      name=$(basename "$so" .so)
+      mkdir -p "$FI_SITE/flashinfer/data/aot/$name" && cp "$so" "$FI_SITE/flashinfer/data/aot/$name/" || return 1
+      echo "fi-setup: $name from $f"
+    done < <(find "$FI_WS/.cache" -name "*.so")
   done
   export PYTHONPATH="$FI_SITE:$PYTHONPATH" FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$FI_WS"
   python3 -c "import flashinfer; print('fi-setup: flashinfer', flashinfer.__version__, flashinfer.__file__)"

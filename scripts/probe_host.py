@@ -3,6 +3,9 @@ per-step re-plan of the CUDA-graph wrapper.
 
 Usage (on the GPU machine): PYTHONPATH=$PWD python3 scripts/probe_host.py [--profile]
 
+With FlashInfer importable (gpu_run.sh fi-setup first) the decode part also times FlashInfer's plan() and run() on
+the same inputs: the same host's cost for the peer.
+
 --profile also prints where the host time of the batch-256 bandwidth-route plan() and run() goes (cProfile,
 functions by own time): Triton's binder and launcher against our argument assembly and staging.
 --prefill: eager prefill run() of short requests (ragged and paged, bf16, GQA 32/8), its host time per call against
@@ -27,6 +30,22 @@ import serveattn
 from serveattn import staging
 from serveattn.kernels import decode as decode_kernel
 from serveattn.kernels import launch as fast_launch
+
+
+def _flashinfer():
+    """flashinfer, or None (printed once) where it is not importable."""
+    global _FI
+    if _FI is False:
+        try:
+            import flashinfer
+            _FI = flashinfer
+        except Exception as exc:  # noqa: BLE001 - any import failure means: no peer here
+            print(f"(FlashInfer not importable: {str(exc).splitlines()[0][:100]}; gpu_run.sh fi-setup provides it)")
+            _FI = None
+    return _FI
+
+
+_FI = False
 
 
 def per_call_us(fn, n=300):
@@ -87,6 +106,7 @@ def main():
         return fast_launch_ab(args.rounds, args.profile)
     if args.prefill:
         return prefill_host(args.profile)
+    fi_ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     for batch, kv in ((1, 8192), (256, 1024)):
         cache, indptr, indices, last, q, out = _decode_inputs(batch, kv, dev)
         ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -104,6 +124,13 @@ def main():
                 use_tensor_cores=tc)
             replan_us = per_call_us(lambda: g.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             print(f"    CUDA-graph wrapper re-plan (captured buffers): {replan_us:.1f} us")
+            fi = _flashinfer()
+            if fi is not None:  # the peer's host cost on this host, same calls (after gpu_run.sh fi-setup)
+                fw = fi.BatchDecodeWithPagedKVCacheWrapper(fi_ws, "NHD", use_tensor_cores=tc)
+                fi_plan_us = per_call_us(lambda: fw.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16,
+                                                         kv_data_type=torch.bfloat16), n=100)
+                fi_run_us = per_call_us(lambda: fw.run(q, cache, out=out))
+                print(f"    FlashInfer {fi.__version__}, same calls: plan {fi_plan_us:.1f} us, run {fi_run_us:.1f} us")
             if not tc and w._plan is not None:
                 p = w._plan
                 k, v = cache[:, 0], cache[:, 1]
