@@ -37,7 +37,9 @@ FI_FA3_FP8_TFLOPS = {"1x4096": 598, "1x8192": 692, "1x16384": 746}
 VARIANTS = (("cc", "CUDA-core, eager"), ("cc-graph", "CUDA-core, CUDA graph"), ("tc", "tensor-core, eager"),
             ("tc-graph", "tensor-core, CUDA graph"))
 DECODE_OURS = ("cc", "cc8", "cc-graph", "cc8-graph", "tc", "tc8", "tc-graph", "tc8-graph")  # 8: the fp8 cache
-PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8")  # prefill takes the SDPA ones
+PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8", "fi-fa3-fp8")
+DECODE_PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8")
+PREFILL_PEERS = ("cudnn", "flash", "fi-fa3-fp8")  # fi-fa3-fp8: FlashInfer's fa3 prefill, e4m3 q and cache
 PREFILL_OURS = ("fp8", "kv8", "bf16")  # kv8: bf16 q over the e4m3 cache (k_scale/v_scale)
 
 
@@ -53,8 +55,9 @@ def add_arguments(parser) -> None:
                         help=f"fp8: prefill workloads of {','.join(prefill.WORKLOADS)}, or 'none' (default all; "
                              f"quick {','.join(PREFILL_QUICK)})")
     parser.add_argument("--fp8-peers", default="cudnn",
-                        help=f"fp8: peers of {','.join(PEERS)} or 'none' (default cudnn; fi-* are FlashInfer's "
-                             f"tensor-core decode on the bf16 / fp8 cache, decode only)")
+                        help=f"fp8: peers of {','.join(PEERS)} or 'none' (default cudnn; fi-tc / fi-tc8 are FlashInfer's "
+                             f"tensor-core decode on the bf16 / fp8 cache, fi-fa3-fp8 its fa3 prefill on e4m3 q and "
+                             f"cache)")
 
 
 # ---------------------------------------------------------------- quantization and inputs
@@ -208,6 +211,8 @@ def prepare_prefill(key: str, meta, sets) -> common.Prepared:
 
     if key in ("cudnn", "flash"):
         return prefill.prepare_sdpa({"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION"}[key], meta, sets)
+    if key == "fi-fa3-fp8":
+        return prepare_prefill_flashinfer(meta, sets)
     if key == "bf16":
         return prefill.prepare_ours_paged(meta, sets)
     e4m3 = torch.float8_e4m3fn
@@ -229,6 +234,23 @@ def prepare_prefill(key: str, meta, sets) -> common.Prepared:
 
 
 # ---------------------------------------------------------------- the run
+
+def prepare_prefill_flashinfer(meta, sets) -> common.Prepared:
+    """FlashInfer's fa3 paged prefill on the same e4m3 q and cache, its q_scale / k_scale / v_scale the same
+    per-tensor dequantization factors as our descales (real value = fp8 * scale), bf16 output."""
+    import torch
+
+    fi = common.import_flashinfer()
+    e4m3 = torch.float8_e4m3fn
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(common.workspace(prefill.WORKSPACE_BYTES, prefill.DEVICE),
+                                               kv_layout="NHD", backend="fa3")
+    w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, prefill.HQ, prefill.HKV,
+           prefill.HEAD_DIM, prefill.PAGE_SIZE, causal=True, q_data_type=e4m3, kv_data_type=e4m3,
+           o_data_type=torch.bfloat16)
+    fns = [functools.partial(w.run, s.q8, s.cache8, q_scale=s.sq, k_scale=s.sk, v_scale=s.sv) for s in sets]
+    return common.Prepared(fns=fns, keep=w, note=f"flashinfer {getattr(fi, '__version__', '?')}, backend=fa3, "
+                                                 f"q/kv e4m3, per-tensor scales, same shuffled page table")
+
 
 def _names(value, default, quick, args, check) -> List[str]:
     if value is not None and value.strip() == "none":
@@ -265,14 +287,13 @@ def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = 
     titles = {k: k for k in DECODE_OURS + PREFILL_OURS + PEERS}
     if dnames:
         sub = result["decode"] = {"ok": True, "cases": []}
-        dpeers = list(peers)
-        runners = list(DECODE_OURS) + dpeers
+        runners = list(DECODE_OURS) + [p for p in peers if p in DECODE_PEERS]
         common.run_cases(NAME + " decode", sub, dnames, len(runners), timing.passes, functools.partial(
             _decode_case, runners=runners, titles=titles, ceilings=ceilings, timing=timing, l2=l2, l2_mult=l2_mult),
             save)
     if pnames:
         sub = result["prefill"] = {"ok": True, "cases": []}
-        runners = list(PREFILL_OURS) + [p for p in peers if p in ("cudnn", "flash")]
+        runners = list(PREFILL_OURS) + [p for p in peers if p in PREFILL_PEERS]
         common.run_cases(NAME + " prefill", sub, pnames, len(runners), timing.passes, functools.partial(
             _prefill_case_run, runners=runners, titles=titles, ceilings=ceilings, timing=timing), save)
     result["ok"] = all(result[p]["ok"] for p in ("decode", "prefill") if p in result)
@@ -347,7 +368,7 @@ def _verdict(x, goal):
 
 def report(result: dict, ceilings: "common.Ceilings") -> str:
     cfg = result["config"]
-    lines = [f"## fp8: e4m3, per-tensor amax scaling, GQA 32/8, head dim 128, page size 16, shuffled pages", "",
+    lines = ["## fp8: e4m3, per-tensor amax scaling, GQA 32/8, head dim 128, page size 16, shuffled pages", "",
              f"- ms: median of do_bench (warmup {cfg['warmup_ms']} ms, rep {cfg['rep_ms']} ms), mean of "
              f"{cfg['passes']} interleaved pass(es); 'fp8/bf16' = bf16 time / fp8 time (above 1: fp8 faster); "
              f"{common.RATIO_NOTE}.", ""]
@@ -360,7 +381,7 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
                   f"on the dequantized K/V. Target: fp8/bf16 >= 1.8 at 64x8192, 128x4096, >= 1.4 at 8x4096 "
                   f"(FlashInfer: 1.02-1.20x).",
                   ""]
-        peers = [p for p in cfg["peers"]]
+        peers = [p for p in cfg["peers"] if p in DECODE_PEERS]
         rows, trows = [], []
         for c in result["decode"]["cases"]:
             rs = c["runners"]
@@ -389,9 +410,9 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
                   f"- {prefill.FLOPS_FORMULA}; fp8 floor: flops / {ceilings.fp8_rate / 1e12:.0f} TFLOP/s, bf16 "
                   f"floor: flops / {ceilings.bf16_rate / 1e12:.0f}.",
                   f"- all rows within {PREFILL_TOL} of SDPA on the dequantized inputs. Targets: fp8/bf16 >= 1.5 "
-                  f"(single requests >= 4096 tokens); fp8 no slower than FlashInfer fa3 fp8 (baseline run, "
-                  f"598/692/746 TFLOP/s; not measured here).", ""]
-        speers = [p for p in cfg["peers"] if p in ("cudnn", "flash")]
+                  f"(single requests >= 4096 tokens); fp8 no slower than FlashInfer fa3 fp8 (in this run as "
+                  f"peer fi-fa3-fp8 when asked for; its baseline run: 598/692/746 TFLOP/s).", ""]
+        speers = [p for p in cfg["peers"] if p in PREFILL_PEERS]
         rows = []
         for c in result["prefill"]["cases"]:
             rs = c["runners"]
