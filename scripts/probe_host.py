@@ -33,19 +33,15 @@ from serveattn.kernels import launch as fast_launch
 
 
 def _flashinfer():
-    """flashinfer, or None (printed once) where it is not importable."""
-    global _FI
-    if _FI is False:
-        try:
-            import flashinfer
-            _FI = flashinfer
-        except Exception as exc:  # noqa: BLE001 - any import failure means: no peer here
-            print(f"(FlashInfer not importable: {str(exc).splitlines()[0][:100]}; gpu_run.sh fi-setup provides it)")
-            _FI = None
-    return _FI
-
-
-_FI = False
+    """flashinfer, or None (the reason printed once) where it is not importable (gpu_run.sh fi-setup provides it)."""
+    from serveattn.bench.common import import_flashinfer
+    try:
+        return import_flashinfer()
+    except ModuleNotFoundError as exc:
+        if not getattr(_flashinfer, "told", False):
+            print(f"({exc}; gpu_run.sh fi-setup provides it)")
+            _flashinfer.told = True
+        return None
 
 
 def per_call_us(fn, n=300):

@@ -32,6 +32,16 @@ def best_us(fn, warmup: int, calls: int, rounds: int = 7) -> float:
     return best
 
 
+def print_profile(fn, calls: int, sort: str, rows: int) -> None:
+    """cProfile of `calls` calls of fn, printed sorted by `sort`, `rows` rows."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats(sort).print_stats(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
@@ -50,12 +60,7 @@ def main():
         best = best_us(plan, warmup=200, calls=300)
         print(f"decode plan, batch 256, {'tensor-core' if tc else 'bandwidth'} route: {best:.1f} us", flush=True)
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(1000):
-                plan()
-            prof.disable()
-            pstats.Stats(prof).sort_stats(os.environ.get("PROBE_SORT", "cumtime")).print_stats(int(os.environ.get("PROBE_ROWS", "20")))
+            print_profile(plan, 1000, os.environ.get("PROBE_SORT", "cumtime"), int(os.environ.get("PROBE_ROWS", "20")))
 
 
 if __name__ == "__main__":

@@ -8,16 +8,14 @@ and paged (page copy off: it needs CUDA), 512 tokens, GQA 32/8, head dim 128, bf
     python scripts/probe_prefill_host_cpu.py [--profile]
 """
 import argparse
-import cProfile
 import os
-import pstats
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 import serveattn  # noqa: E402
-from probe_plan_cpu import best_us  # noqa: E402  (scripts/, beside this file)
+from probe_plan_cpu import best_us, print_profile  # noqa: E402  (scripts/, beside this file)
 from serveattn.kernels import attention_ws  # noqa: E402
 
 
@@ -50,12 +48,7 @@ def main():
         best = best_us(call, warmup=200, calls=2000)
         print(f"prefill {name} 1x{s} run(), our Python (kernel launch stubbed): {best:.1f} us")
         if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(2000):
-                call()
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            print_profile(call, 2000, "tottime", 18)
 
 
 if __name__ == "__main__":
