@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
@@ -121,6 +121,9 @@ class DecodePlan:
     part_o: Optional[torch.Tensor] = None
     part_lse: Optional[torch.Tensor] = None
     q_len: int = 1  # query rows per request: 1, or a chain's k draft tokens
+    # kernels/decode.launch's per-plan memo of what every run launches with (a fresh one for each plan, replace()
+    # included: init=False)
+    launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def static_signature(self):
         return (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.window_left,
@@ -426,7 +429,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
         _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
         if out is None:
-            out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
+            out = torch.empty_like(q, dtype=plan.o_dtype, memory_format=torch.contiguous_format)
         if lse is None and return_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)

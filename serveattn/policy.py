@@ -294,7 +294,7 @@ def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dt
         refuse(entry, f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}.")
     if t.dtype != dtype:
         refuse(entry, f"{name} has dtype {t.dtype}; expected {dtype}.")
-    if t.device != torch.device(device):
+    if t.device != device and t.device != torch.device(device):  # plans hold a torch.device: no new one per call
         refuse(entry, f"{name} is on {t.device}; expected {torch.device(device)}.")
     if t.numel() and t.stride(-1) != 1:
         refuse(entry, f"{name} must have a contiguous last dimension (stride {t.stride(-1)} received).")

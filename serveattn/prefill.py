@@ -322,7 +322,7 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
             shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
                                  f"or a (k_cache, v_cache) tuple.")
-        k, v = cache[:, 0], cache[:, 1]
+        k, v = cache.unbind(1)  # both views in one call (every run pays this)
     policy.check_same_kv_dtype(entry, k, v)
     return k, v
 

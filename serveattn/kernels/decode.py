@@ -182,21 +182,38 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     sv = kv_strides(v, kv_layout, plan.paged)
     lse_arg = lse if lse is not None else out
     slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    group_pad = tile_rows(plan.q_len, plan.group)
-    merge_rows_pad = next_pow2(plan.q_len * plan.group)
     fused = done_count is not None and bool(merge_rows)
-    kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
+    # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
+    kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv)
+    memo = plan.launch_memo.get(kind)
+    if memo is None:
+        memo = plan.launch_memo[kind] = _launch_memo(plan, *kind)
+    plan_args, kwargs, merge_kwargs = memo
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
     launch_jit(decode_kernel, (plan.num_kv_heads, min(grid0, 65535)),
         q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
-        plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot, plan.req_num_slots,
-        done_count if fused else plan.work,
+        *plan_args, done_count if fused else plan.work,
         plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
+        **kwargs)
+    if merge_rows and not fused:
+        launch_jit(merge_kernel, (merge_rows, plan.num_kv_heads),
+            plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
+            out.stride(0), out.stride(1), slb, slh, **merge_kwargs)
+
+
+def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool, kv_same_strides: bool):
+    """(the plan's schedule arguments, decode_kernel's keywords, merge_kernel's keywords) for one kind of call."""
+    group_pad = tile_rows(plan.q_len, plan.group)
+    merge_rows_pad = next_pow2(plan.q_len * plan.group)
+    kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
+    plan_args = (plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot,
+                 plan.req_num_slots)
+    kwargs = dict(
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
-        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=lse is not None,
-        KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=return_lse,
+        KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
@@ -206,12 +223,10 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
-    if merge_rows and not fused:
-        launch_jit(merge_kernel, (merge_rows, plan.num_kv_heads),
-            plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
-            out.stride(0), out.stride(1), slb, slh,
-            NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
-            RETURN_LSE=lse is not None, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
-            LSE_SLOTS=lse_slots(merge_rows_pad, 4),
-            num_warps=4, **LAUNCH_OPTIONS,
-        )
+    merge_kwargs = dict(
+        NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
+        RETURN_LSE=return_lse, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
+        LSE_SLOTS=lse_slots(merge_rows_pad, 4),
+        num_warps=4, **LAUNCH_OPTIONS,
+    )
+    return plan_args, kwargs, merge_kwargs
