@@ -1,6 +1,6 @@
 """Compile FlashInfer's kernel configurations the benches use, all at once (GPU, after gpu_run.sh fi-setup).
 
-    PYTHONPATH=$PWD python3 scripts/fi_warm.py [--configs prefill-fa2,prefill-fa3,decode-cc,decode-tc,fp8-fa3]
+    PYTHONPATH=$PWD python3 scripts/fi_warm.py [--configs prefill-fa2,prefill-fa3,decode-cc,decode-tc,fp8-fa3,fp8-tc8]
 
 FlashInfer JIT-compiles each configuration at its first use (12 s to 2 min on the H200), and the benches meet
 them one after another. Here each configuration is built in its own process, side by side, through the benches'
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ("prefill-fa2", "prefill-fa3", "decode-cc", "decode-tc", "fp8-fa3")
+CONFIGS = ("prefill-fa2", "prefill-fa3", "decode-cc", "decode-tc", "fp8-fa3", "fp8-tc8")
 
 
 def build(config: str) -> None:
@@ -28,10 +28,14 @@ def build(config: str) -> None:
         from serveattn.bench import decode as bench
         meta = bench.build_meta(2, 256)
         prepared = bench.prepare_flashinfer(config == "decode-tc", False, meta, [bench.build_inputs(meta, 0)])
-    else:  # fp8-fa3: bench fp8's fi-fa3-fp8 peer (e4m3 q and cache)
+    elif config == "fp8-fa3":  # bench fp8's fi-fa3-fp8 peer (e4m3 q and cache)
         from serveattn.bench import fp8, prefill
         meta = prefill.build_meta([256])
         prepared = fp8.prepare_prefill_flashinfer(meta, [fp8.prefill_set(meta, 0)])
+    else:  # fp8-tc8: bench fp8's fi-tc8 peer (tensor-core decode, bf16 q, e4m3 cache)
+        from serveattn.bench import decode, fp8
+        meta = decode.build_meta(2, 256)
+        prepared = fp8.prepare_decode_peer("fi-tc8", meta, [fp8.decode_set(meta, 0)])
     prepared.fns[0]()
     torch.cuda.synchronize()
     print(f"fi_warm: {config}: first call {time.perf_counter() - t0:.1f} s", flush=True)
@@ -39,7 +43,7 @@ def build(config: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default=",".join(CONFIGS[:4]))  # fp8-fa3 when asked (never run yet)
+    ap.add_argument("--configs", default=",".join(CONFIGS[:4]))  # the fp8 ones when asked (bench fp8's peers)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child process: build this configuration
     args = ap.parse_args()
     if args.one:

@@ -142,8 +142,8 @@ step_probe_host() {  # decode plan()/run() host us (and FlashInfer's, after fi-s
   return "${PIPESTATUS[0]}"
 }
 
-step_fi_warm() {  # FlashInfer's bench configurations compiled side by side (scripts/fi_warm.py), after fi-setup
-  timeout "${FI_WARM_TIMEOUT:-300}" python3 scripts/fi_warm.py 2>&1 | grep -v "^ *warn\|Warning" | tail -40 \
+step_fi_warm() {  # FlashInfer's bench configurations compiled side by side (scripts/fi_warm.py; FI_WARM_CONFIGS picks), after fi-setup
+  timeout "${FI_WARM_TIMEOUT:-300}" python3 scripts/fi_warm.py ${FI_WARM_CONFIGS:+--configs "$FI_WARM_CONFIGS"} 2>&1 | grep -v "^ *warn\|Warning" | tail -40 \
     | tee "$OUT/fi-warm.txt"
   return "${PIPESTATUS[0]}"
 }

@@ -108,3 +108,32 @@ def test_cuda_graph_replay_with_changing_page_tables(use_tensor_cores):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, good_out) and torch.equal(lse, good_lse)
+
+
+def _compiled_variants(jit_fn) -> int:
+    return sum(len(caches[0]) for caches in jit_fn.device_caches.values())
+
+
+def test_batch_sizes_share_one_compiled_kernel():
+    """A serving loop's batch size moves every step: the plan's arrays keep their 16-byte alignment whatever the
+    batch (staging._ALIGN), so Triton compiles one decode kernel variant, not one per alignment pattern."""
+    from serveattn.kernels import decode as decode_kernels
+    gen = torch.Generator().manual_seed(77)
+    hq, hkv, d = 32, 8, 128
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                     backend="triton")
+    before = None
+    for batch in (1, 2, 3, 5, 6, 7, 9, 13):
+        kv_lens = [int(x) for x in torch.randint(1, 300, (batch,), generator=gen)]
+        b = make_paged_batch(gen, qo_lens=[1] * batch, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                             head_dim=d, page_size=16, dtype=torch.bfloat16, device="cuda")
+        # unsplit at every batch: the split (fused merge) is another variant by design
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, d, 16, q_data_type=torch.bfloat16,
+               disable_split_kv=True)
+        out = w.run(b.q, b.cache)
+        torch.cuda.synchronize()
+        ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+        assert rel_err(out, ref_out) < 1e-2
+        if before is None:
+            before = _compiled_variants(decode_kernels.decode_kernel)
+    assert _compiled_variants(decode_kernels.decode_kernel) == before, "a batch size compiled a new decode variant"

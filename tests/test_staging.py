@@ -17,7 +17,7 @@ def _arrays(gen):
 def test_pack_unpack_round_trip():
     arrays = _arrays(torch.Generator().manual_seed(0))
     blob, layout = staging.pack(arrays)
-    assert blob.dtype == torch.uint8 and all(start % 8 == 0 for _, start, *_ in layout)
+    assert blob.dtype == torch.uint8 and all(start % 16 == 0 for _, start, *_ in layout)
     back = staging.unpack(blob, layout)
     for name, t in arrays.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
@@ -31,6 +31,19 @@ def test_to_device_copies_and_keeps_none(device):
         if t is not None:
             assert out[name].device.type == torch.device(device).type and torch.equal(out[name].cpu(), t), name
             assert t.numel() == 0 or out[name].data_ptr() != t.data_ptr()  # never aliases the caller's tensor
+
+
+def test_plan_arrays_start_16_byte_aligned_at_every_batch():
+    """Triton compiles a kernel variant per pattern of 16-byte aligned pointer arguments: a plan's int32 arrays
+    (sized by the batch) must all start 16-byte aligned whatever the batch, or a new batch size compiles mid-serving."""
+    import numpy as np
+    for batch in range(1, 70):
+        arrays = dict(work=np.zeros(3 * batch + 1, np.int32), num_work=np.zeros(1, np.int32),
+                      req_first_slot=np.zeros(batch, np.int32), req_num_slots=np.zeros(batch, np.int32),
+                      kv_indptr=np.zeros(batch + 1, np.int32), kv_indices=np.zeros(7 * batch + 3, np.int32),
+                      last_page_len=np.zeros(batch, np.int32))
+        layout, total = staging._layout(arrays)
+        assert all(start % 16 == 0 for _, start, *_ in layout) and total % 16 == 0, batch
 
 
 @pytest.mark.gpu
