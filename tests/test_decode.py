@@ -138,6 +138,49 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     check_lse(results[True][1], ref_lse)
 
 
+def test_one_plan_serves_every_kind_of_call(device):
+    """run() keeps the kernel arguments it derives from the plan per kind of call (with or without the LSE, float or
+    tensor scales, K/V of one tensor or two with other strides): every kind, in any order on one plan, gives the
+    bits of a fresh plan's first call of that kind."""
+    gen = torch.Generator().manual_seed(41)
+    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=[200, 7, 90], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(4 << 20, dtype=torch.uint8, device=device)
+    k, v = b.cache.unbind(1)
+    split_kv = (k.contiguous(), v.clone().transpose(1, 2).contiguous().transpose(1, 2))  # V with other strides
+    scales = dict(k_scale=torch.tensor([0.6], device=device), v_scale=torch.tensor([1.7], device=device))
+    calls = [
+        ("plain", (b.cache,), {}),
+        ("lse", (b.cache,), dict(return_lse=True)),
+        ("tensor scales", (b.cache,), dict(scales)),
+        ("float scales + lse", (b.cache,), dict(k_scale=0.6, v_scale=1.7, return_lse=True)),
+        ("two tensors", (split_kv,), {}),
+        ("plain again", (b.cache,), {}),
+    ]
+
+    def planned():
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               fixed_split_size=32)
+        return w
+
+    def results(r):
+        return r if isinstance(r, tuple) else (r,)
+
+    shared = planned()
+    for name, args, kwargs in calls:
+        got = results(shared.run(b.q, *args, **kwargs))
+        want = results(planned().run(b.q, *args, **kwargs))
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want)), name
+        scaled = "scales" in name
+        ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                                 b.last_page_len, k_scale=0.6 if scaled else 1.0,
+                                                 v_scale=1.7 if scaled else 1.0)
+        assert rel_err(got[0], ref_out) < 1e-2, name
+        if len(got) == 2:
+            check_lse(got[1], ref_lse)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_decode_backends_and_scales(backend, device):
     gen = torch.Generator().manual_seed(4)
