@@ -123,7 +123,7 @@ def test_batch_sizes_share_one_compiled_kernel():
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
                                                      backend="triton")
     before = None
-    for batch in (1, 2, 3, 5, 6, 7, 9, 13):
+    for batch in (2, 3, 5, 6, 7, 9, 13, 17):  # from 2: one request alone pipelines deeper (decode.SMALL_BATCH)
         kv_lens = [int(x) for x in torch.randint(1, 300, (batch,), generator=gen)]
         b = make_paged_batch(gen, qo_lens=[1] * batch, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                              head_dim=d, page_size=16, dtype=torch.bfloat16, device="cuda")

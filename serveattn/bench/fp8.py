@@ -247,9 +247,17 @@ def prepare_prefill_flashinfer(meta, sets) -> common.Prepared:
     w.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices, meta.last_page_len, prefill.HQ, prefill.HKV,
            prefill.HEAD_DIM, prefill.PAGE_SIZE, causal=True, q_data_type=e4m3, kv_data_type=e4m3,
            o_data_type=torch.bfloat16)
-    fns = [functools.partial(w.run, s.q8, s.cache8, q_scale=s.sq, k_scale=s.sk, v_scale=s.sv) for s in sets]
+    # its fp8 kernel's scales are per-head float32 tensors passed positionally (maybe_scale_q / _k / _v), read in
+    # the kernel; the q_scale / k_scale / v_scale keywords instead fold floats into sm_scale on the host (a tensor
+    # there fails: "Expected float but got ffi.Tensor") and scale the output in a second pass
+    def per_head(x, heads):
+        return x.float().reshape(1).expand(heads).contiguous()
+
+    fns = [functools.partial(w.run, s.q8, s.cache8, per_head(s.sq, prefill.HQ), per_head(s.sk, prefill.HKV),
+                             per_head(s.sv, prefill.HKV)) for s in sets]
     return common.Prepared(fns=fns, keep=w, note=f"flashinfer {getattr(fi, '__version__', '?')}, backend=fa3, "
-                                                 f"q/kv e4m3, per-tensor scales, same shuffled page table")
+                                                 f"q/kv e4m3, per-head scale tensors (the per-tensor scale "
+                                                 f"repeated), same shuffled page table")
 
 
 def _names(value, default, quick, args, check) -> List[str]:
