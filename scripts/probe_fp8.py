@@ -5,7 +5,7 @@ bitwise contract can be measured, e.g. SERVEATTN_FP8_BOUNDARY=0 (no operand boun
 SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
 
     PYTHONPATH=$PWD python3 scripts/probe_fp8.py [--cases 64x8192,128x4096] [--tc] [--tiles "16,128,4,3;16,128,4,5"]
-        [--backend triton] [--kv-heads 4]
+        [--backend triton] [--kv-heads 4] [--q-dtype float16]
 
 --tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES, with --tc
 SERVEATTN_PREFILL_TILES, for both plans) and says whether the fp8 output equals, bitwise, the bf16 run on the
@@ -30,7 +30,11 @@ def main():
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_DECODE_TILES values to sweep")
     ap.add_argument("--backend", default="auto", help="auto, or triton: the route --tc names for both caches")
     ap.add_argument("--kv-heads", type=int, default=HKV, help="KV heads for the 32 query heads (group = 32 / this)")
+    ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                    help="the query's dtype, and the 16-bit cache's (e4m3 widens to fp16 in one cvt a pair, to bf16 "
+                         "by the exact integer path)")
     args = ap.parse_args()
+    args.q_dtype = getattr(torch, args.q_dtype)
     args.seen = {}  # (case, dtype, block_n) -> first output: do warps and stages change the bits?
     # the tensor-core route runs the prefill kernel: its override (block_m first: the override skips the
     # table's clamp of block_m to the request's rows)
@@ -46,18 +50,18 @@ def probe(args):
         gen = torch.Generator(device="cuda").manual_seed(0)
         wide = torch.randn(batch * pages, 2, PS, args.kv_heads, D, device="cuda", generator=gen) * 2
         wide = wide.to(torch.float8_e4m3fn)
-        cache = {"fp8": wide, "bf16": wide.to(torch.bfloat16)}
+        cache = {"fp8": wide, "bf16": wide.to(args.q_dtype)}  # "bf16": the 16-bit copy, in the query's dtype
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         # seeded, so that "same bits as the first tiles" compares runs on the same inputs
         indices = torch.randperm(batch * pages, dtype=torch.int64, generator=torch.Generator().manual_seed(1))
         indices = indices.to(torch.int32)
         last = torch.full((batch,), PS, dtype=torch.int32)
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=args.q_dtype, generator=gen)
         ms, outs = {}, {}
         for name, c in cache.items():
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                              use_tensor_cores=args.tc, backend=args.backend)
-            w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=torch.bfloat16, kv_data_type=c.dtype)
+            w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=args.q_dtype, kv_data_type=c.dtype)
             out = torch.empty_like(q)
             outs[name] = out
             ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
@@ -66,7 +70,7 @@ def probe(args):
         same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
-        print(f"{case} g{HQ // args.kv_heads} tc={args.tc} {knobs}: bf16 {ms['bf16']:.4f} ms "
+        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} {knobs}: 16-bit {ms['bf16']:.4f} ms "
               f"({2 * kv_bytes / ms['bf16'] / 1e9:.2f} TB/s), "
               f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/bf16 speed "
               f"{ms['bf16'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['bf16'])}, "

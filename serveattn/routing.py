@@ -89,14 +89,14 @@ class ArchTable:
 TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
-        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-03: python -m serveattn.bench "
-                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; "
-                 "docs/runs/2026-12-03T1554-bench-crossover.log)",
-        # docs/routing.md, table sm90-prefill-cudnn, measured after the warp-specialized prefill kernel and the
-        # softmax fma: eager, our run() costs ~100 us of host time a call on that host, so cuDNN takes the short
-        # lengths (0.26-0.97x our time below 4096 rows, causal); causal groups 4 and 8 from 4096 rows on are ours
-        # (cuDNN 1.01-1.09x our time). Group 1 causal is cuDNN's up to 4096 (8 x 8192 still 0.91x); non-causal
-        # is cuDNN's at every length for groups 1 and 4 (0.96-0.98x at 8192), group 8 from 2048 is a tie (ours).
+        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-03 20:22: python -m serveattn.bench "
+                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; fast launch path "
+                 "on; docs/runs/2026-12-03T2022-bench-crossover.log)",
+        # docs/routing.md, table sm90-prefill-cudnn, measured with the fast launch path: eager, our run() still costs
+        # tens of us of host time a call on that host, so cuDNN takes the short lengths (0.35-0.48x our time at 512
+        # rows); from 2048-4096 rows the two are within a few percent either way. Upper ends: the longest run of
+        # lengths where cuDNN won at every batch (group 1 causal: one request of 4096 is ours by 1.46x, 8 x 4096
+        # cuDNN's by 0.72x; the table keys on length only).
         cudnn_min_rows={
             ("bfloat16", 128, 1, False): 512,
             ("bfloat16", 128, 1, True): 512,
@@ -106,10 +106,11 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
             ("bfloat16", 128, 8, True): 512,
         },
         cudnn_max_rows={
-            ("bfloat16", 128, 1, True): 8192,
+            ("bfloat16", 128, 1, True): 4096,
+            ("bfloat16", 128, 4, False): 8192,
             ("bfloat16", 128, 4, True): 4096,
-            ("bfloat16", 128, 8, False): 2048,
-            ("bfloat16", 128, 8, True): 4096,
+            ("bfloat16", 128, 8, False): 8192,
+            ("bfloat16", 128, 8, True): 2048,
         },
         # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
         # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties); groups 1 and 8 had a point at or
