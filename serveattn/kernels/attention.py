@@ -31,7 +31,7 @@ LOG2_P_SCALE: tl.constexpr = tl.constexpr(8.0)
 # A paged cache is copied into ragged rows for the warp-specialized kernel only while the temporary (K and V)
 # stays this small. A 16-bit cache only when the copy (COPY_BYTES_PER_S) costs less than GATHER_GAIN of the
 # attention (MATRIX_FLOPS), i.e. when (query rows a key meets on average) x group > 300 / GATHER_GAIN. On the H200
-# (session 14, docs/runs/2026-12-03T2045-probe-gather-ab*.txt, GQA 4) pages read in place beat the copy at
+# (session 14, docs/runs/2026-12-03T2040-probe-gather-ab*.txt, GQA 4) pages read in place beat the copy at
 # 16 x 2048 causal (481 vs 470 TFLOP/s; 1024 rows a key x 4 = 4096), tie at 1 x 4096 (8192), lose at 1 x 8192 and
 # 1 x 16384 (-3 to -6%; 16384, 32768): 0.06 puts the line at 5000.
 GATHER_MAX_BYTES = 256 << 20
