@@ -1,4 +1,5 @@
-"""fp8-KV decode speed probe (GPU): our decode on an e4m3 cache against the same call on its bf16 copy.
+"""fp8-KV decode speed probe (GPU): our decode on an e4m3 cache against the same call on its 16-bit copy (bf16,
+or fp16 with --q-dtype float16).
 
 Timing only (no bitwise check, unlike `python -m serveattn.bench fp8`), so that variants which give up the
 bitwise contract can be measured, e.g. SERVEATTN_FP8_BOUNDARY=0 (no operand boundary after widening) or
@@ -8,7 +9,7 @@ SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
         [--backend triton] [--kv-heads 4] [--q-dtype float16]
 
 --tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES, with --tc
-SERVEATTN_PREFILL_TILES, for both plans) and says whether the fp8 output equals, bitwise, the bf16 run on the
+SERVEATTN_PREFILL_TILES, for both plans) and says whether the fp8 output equals, bitwise, the 16-bit run on the
 dequantized cache under the same tiles.
 """
 import argparse
@@ -50,7 +51,7 @@ def probe(args):
         gen = torch.Generator(device="cuda").manual_seed(0)
         wide = torch.randn(batch * pages, 2, PS, args.kv_heads, D, device="cuda", generator=gen) * 2
         wide = wide.to(torch.float8_e4m3fn)
-        cache = {"fp8": wide, "bf16": wide.to(args.q_dtype)}  # "bf16": the 16-bit copy, in the query's dtype
+        cache = {"fp8": wide, "16-bit": wide.to(args.q_dtype)}  # the 16-bit copy in the query's dtype
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         # seeded, so that "same bits as the first tiles" compares runs on the same inputs
         indices = torch.randperm(batch * pages, dtype=torch.int64, generator=torch.Generator().manual_seed(1))
@@ -70,10 +71,10 @@ def probe(args):
         same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
-        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} {knobs}: 16-bit {ms['bf16']:.4f} ms "
-              f"({2 * kv_bytes / ms['bf16'] / 1e9:.2f} TB/s), "
-              f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/bf16 speed "
-              f"{ms['bf16'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['bf16'])}, "
+        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} {knobs}: 16-bit {ms['16-bit']:.4f} ms "
+              f"({2 * kv_bytes / ms['16-bit'] / 1e9:.2f} TB/s), "
+              f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/16-bit speed "
+              f"{ms['16-bit'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['16-bit'])}, "
               f"same bits as the first tiles with this block_n {all(same)}", flush=True)
 
 

@@ -37,9 +37,9 @@ FI_FA3_FP8_TFLOPS = {"1x4096": 598, "1x8192": 692, "1x16384": 746}
 VARIANTS = (("cc", "CUDA-core, eager"), ("cc-graph", "CUDA-core, CUDA graph"), ("tc", "tensor-core, eager"),
             ("tc-graph", "tensor-core, CUDA graph"))
 DECODE_OURS = ("cc", "cc8", "cc-graph", "cc8-graph", "tc", "tc8", "tc-graph", "tc8-graph")  # 8: the fp8 cache
-PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8", "fi-fa3-fp8")
 DECODE_PEERS = ("cudnn", "flash", "fi-tc", "fi-tc8")
 PREFILL_PEERS = ("cudnn", "flash", "fi-fa3-fp8")  # fi-fa3-fp8: FlashInfer's fa3 prefill, e4m3 q and cache
+PEERS = tuple(dict.fromkeys(DECODE_PEERS + PREFILL_PEERS))
 PREFILL_OURS = ("fp8", "kv8", "bf16")  # kv8: bf16 q over the e4m3 cache (k_scale/v_scale)
 
 
@@ -236,8 +236,8 @@ def prepare_prefill(key: str, meta, sets) -> common.Prepared:
 # ---------------------------------------------------------------- the run
 
 def prepare_prefill_flashinfer(meta, sets) -> common.Prepared:
-    """FlashInfer's fa3 paged prefill on the same e4m3 q and cache, its q_scale / k_scale / v_scale the same
-    per-tensor dequantization factors as our descales (real value = fp8 * scale), bf16 output."""
+    """FlashInfer's fa3 paged prefill on the same e4m3 q and cache and the same dequantization factors as our
+    descales (real value = fp8 * scale), bf16 output."""
     import torch
 
     fi = common.import_flashinfer()
