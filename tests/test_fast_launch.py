@@ -339,3 +339,64 @@ def test_kinds_never_collide():
                 ka = [k for k, v in keys.items() if any(x is a for x in v)][0]
                 kb = [k for k, v in keys.items() if any(x is b for x in v)][0]
                 assert ka != kb, (position, a, b)
+
+
+# ---- host TensorDescriptor arguments: each encoding made once per (address, shape, strides, padding) ----
+
+class _FakeCudaLauncher:
+    """CudaLauncher's attributes the descriptor launcher reads, with Triton's own descriptor wrapper (triton 3.6
+    wrap_handle_tensordesc) around a recording stand-in for the compiled C launcher."""
+
+    def __init__(self, signature, metas):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+        self.raw_calls = []
+        self.launch = wrap_handle_tensordesc(lambda *a: self.raw_calls.append(a), signature, metas)
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.global_scratch_size = self.profile_scratch_size = 0
+
+    def __call__(self, gx, gy, gz, stream, function, *args):  # CudaLauncher.__call__ without scratch
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+def test_descriptor_launcher_passes_what_triton_passes_and_encodes_once(monkeypatch):
+    import triton.backends.nvidia.driver as nvidia
+    encodings = []
+
+    def encode(desc, meta):  # stands for the CUtensorMap encoding (needs a GPU): what it is made of
+        encodings.append(desc)
+        return [("map", desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding, meta["id"]),
+                *desc.shape, *desc.strides]
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    monkeypatch.setattr(fast, "_make_tensordesc_arg", encode)
+    signature = {0: "*bf16", 1: "tensordesc<bf16[64, 64]>", 2: "i32", 3: "tensordesc<bf16[32, 64]>", 4: "constexpr"}
+    run = _FakeCudaLauncher(signature, [{"id": "a"}, {"id": "b"}])
+    kernel = type("Kernel", (), {"run": run})()
+    launch = fast._descriptor_launcher(kernel)
+    assert launch is not None
+
+    cache = torch.zeros(256, 128, dtype=torch.bfloat16)
+    other = torch.zeros(256, 128, dtype=torch.bfloat16)
+
+    def desc(base, rows=256, padding="zero"):
+        return TensorDescriptor(base, [rows, 128], [128, 1], [64, 64], gl.NVMMASharedLayout(128, 16),
+                                padding=padding)
+    calls = [(desc(cache), desc(cache)), (desc(cache), desc(cache)), (desc(other), desc(cache)),
+             (desc(cache, 128), desc(cache)), (desc(cache, padding="nan"), desc(cache)), (desc(cache), desc(other))]
+    for a, b in calls:
+        params = (torch.zeros(4), a, 7, b, 16)
+        run(3, 2, 1, 99, "fn", "packed", None, None, None, *params)  # Triton's launcher
+        launch(3, 2, 1, 99, "fn", "packed", None, None, None, *params)  # ours
+        assert _same(run.raw_calls[-1], run.raw_calls[-2])
+    # Triton encoded 2 per call (12); ours only what it had not seen: a's 4 kinds + b's 2 kinds
+    assert len(encodings) == 12 + 6
+
+
+def test_descriptor_launcher_declines_what_it_does_not_know():
+    signature = {0: "tensordesc<bf16[64, 64]>"}
+    run = _FakeCudaLauncher(signature, [{"id": "a"}])
+    run.global_scratch_size = 128  # a kernel that needs scratch: CudaLauncher allocates it per call
+    assert fast._descriptor_launcher(type("Kernel", (), {"run": run})()) is None
+    run = _FakeCudaLauncher(signature, None)  # no descriptor metadata: Triton passes descriptors decomposed
+    assert fast._descriptor_launcher(type("Kernel", (), {"run": run})()) is None
+    run.launch = lambda *a: None  # not Triton 3.6's wrapper
+    assert fast._descriptor_launcher(type("Kernel", (), {"run": run})()) is None

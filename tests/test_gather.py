@@ -12,26 +12,28 @@ from serveattn.kernels.attention import kv_strides
 from helpers import make_paged_batch
 
 
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2, None])  # None: a cache in q's dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout, page_size", [("NHD", 16), ("HND", 4), ("NHD", 1)])
-def test_gathered_rows_are_the_dequantized_cache(fp8, dtype, layout, page_size, device):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{fp8}{dtype}{layout}{page_size}".encode()))
+@pytest.mark.parametrize("layout, page_size, num_kv_heads", [("NHD", 16, 2), ("HND", 4, 3), ("NHD", 1, 2),
+                                                           ("NHD", 64, 5)])  # 64 x 64 x 5: heads in two programs
+def test_gathered_rows_are_the_dequantized_cache(fp8, dtype, layout, page_size, num_kv_heads, device):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{fp8}{dtype}{layout}{page_size}{num_kv_heads}".encode()))
     qo_lens, kv_lens = [3, 0, 5, 2], [37, 0, 16, 1]  # a partial last page, an empty request, one key
-    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
-                         page_size=page_size, dtype=torch.float32, kv_layout=layout, tuple_cache=True,
-                         device=device)
-    k8, v8 = ((t * 8).to(fp8) for t in b.cache)  # spread over the format's range, subnormals included
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=num_kv_heads,
+                         num_kv_heads=num_kv_heads, head_dim=64, page_size=page_size, dtype=torch.float32,
+                         kv_layout=layout, tuple_cache=True, device=device)
+    # fp8: spread over the format's range, subnormals included
+    k8, v8 = ((t * 8).to(fp8 or dtype) for t in b.cache)
     ref_k, ref_v, ref_indptr = reference.gather_paged((k8.to(dtype), v8.to(dtype)), b.kv_indptr, b.kv_indices,
                                                      b.last_page_len, layout)
     tokens = int(ref_indptr[-1])
     pages = np.diff(b.kv_indptr.cpu().numpy())
     page_req = torch.from_numpy(np.repeat(np.arange(pages.size, dtype=np.int32), pages)).to(device)
     tok_indptr = ref_indptr.to(device=device, dtype=torch.int32)
-    ko = torch.full((tokens, 2, 64), float("nan"), dtype=dtype, device=device)
+    ko = torch.full((tokens, num_kv_heads, 64), float("nan"), dtype=dtype, device=device)
     vo = torch.full_like(ko, float("nan"))
     gather.gather_widen(k8, v8, ko, vo, page_req, b.kv_indptr, b.kv_indices, b.last_page_len, tok_indptr,
                         kv_strides(k8, layout, True), kv_strides(v8, layout, True), page_size, 64,
-                        int(page_req.numel()), 2)
+                        int(page_req.numel()), num_kv_heads)
     assert torch.equal(ko.view(torch.int16), ref_k.view(torch.int16))  # bitwise, NaN and -0 included
     assert torch.equal(vo.view(torch.int16), ref_v.view(torch.int16))
