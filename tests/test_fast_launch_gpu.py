@@ -201,3 +201,26 @@ def test_warp_specialized_kernel_takes_the_fast_path(monkeypatch, triton_path_ca
     _off_on_on(monkeypatch, triton_path_calls, _prefill_run(_prefill_paged(b, 16, 4, 128), b.q, b.cache))
     assert fast._launches_of(attention.attention_ws.prefill_ws_kernel).entries
     assert triton_path_calls.get("prefill_ws_kernel", 0) >= 1  # the off call at least
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_warp_specialized_descriptors_follow_the_tensors(monkeypatch, triton_path_calls):
+    """The fast path keeps the CUtensorMap of each descriptor it has encoded (launch._descriptor_launcher): two
+    caches and two queries of one shape, taken in turn through one plan, give each pair's own result, bitwise
+    Triton's own launch of that pair, however often the pairs alternate."""
+    monkeypatch.setenv("SERVEATTN_PREFILL_WS", "1")
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
+    gen = torch.Generator().manual_seed(23)
+    b = make_paged_batch(gen, qo_lens=[300, 77], kv_lens=[700, 900], num_qo_heads=16, num_kv_heads=4,
+                         head_dim=128, page_size=16, dtype=torch.bfloat16, tuple_cache=True, device="cuda")
+    w = _prefill_paged(b, 16, 4, 128)
+    pairs = [(b.q, b.cache), (torch.randn_like(b.q), tuple(torch.randn_like(t) for t in b.cache))]
+    monkeypatch.setattr(fast, "ENABLED", False)
+    expected = [_prefill_run(w, q, cache)() for q, cache in pairs]
+    monkeypatch.setattr(fast, "ENABLED", True)
+    for i in [0, 1, 1, 0, 1, 0, 0]:
+        got = _prefill_run(w, *pairs[i])()
+        assert all(torch.equal(e, g) for e, g in zip(expected[i], got)), f"pair {i} got another pair's bits"
+    assert not torch.equal(expected[0][0], expected[1][0])
+    entries = fast._launches_of(attention.attention_ws.prefill_ws_kernel).entries
+    assert any(e[0] is not e[4].run for e in entries.values()), "the descriptor launcher was not taken"
