@@ -420,15 +420,15 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
     gives the same bits. SERVEATTN_PREFILL_GATHER=force copies a 16-bit cache whether it pays or not (measuring)."""
     if not (plan.paged and q.is_cuda and v.dtype == k.dtype and q.dtype.itemsize == 2):
         return False
-    gather = os.environ.get("SERVEATTN_PREFILL_GATHER", "1")
-    if k.dtype.itemsize == 2 and (k.dtype != q.dtype or gather not in ("1", "force")):
+    knob = os.environ.get("SERVEATTN_PREFILL_GATHER", "1")
+    if k.dtype.itemsize == 2 and (k.dtype != q.dtype or knob not in ("1", "force")):
         return False
     if k.dtype.itemsize not in (1, 2):
         return False
     if not attention_ws.serves(q, k, v, plan, None, as_ragged=True):  # before any host work for the copy
         return False
     page_req, tok_indptr, ragged, tokens, pays = _gathered_plan(plan)
-    if k.dtype.itemsize == 2 and not pays and gather != "force":
+    if k.dtype.itemsize == 2 and not pays and knob != "force":
         return False
     shape = (tokens, plan.num_kv_heads, plan.head_dim)
     if tokens == 0 or 2 * tokens * plan.num_kv_heads * plan.head_dim * q.element_size() > GATHER_MAX_BYTES:
