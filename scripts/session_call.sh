@@ -1,9 +1,5 @@
-# session 15, call A: ring depth 2 vs 3 at 16x2048 (separate processes, alternating), host cost of run()
+# session 15, call B: the producer's shared page rows (SERVEATTN_PREFILL_WS_SHARED_ROWS): GPU tests, then an A/B
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-for st in 2 3 2 3; do
-  echo "== SERVEATTN_PREFILL_WS_STAGES=$st"
-  SERVEATTN_PREFILL_WS_STAGES=$st timeout 90 python3 -m serveattn.bench prefill --cases 16x2048 --peers cudnn --passes 2 2>&1 | grep "^| 16x2048"
-done 2>&1 | tee $OUT/stages-ab.txt
-scripts/gpu_run.sh fi-setup probe-host > /dev/null 2>&1; cp out/probe-host.txt $OUT/ 2>/dev/null
-timeout 90 python3 scripts/probe_host.py --prefill 2>&1 | grep -v "backend='auto'" > $OUT/host-prefill.txt
-cat $OUT/probe-host.txt $OUT/host-prefill.txt | grep -v "backend='auto'" | head -40
+timeout 200 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_prefill_ws_gpu.py tests/test_prefill_ws.py tests/test_fast_launch_gpu.py tests/test_prefill_gpu.py tests/test_gather.py -rf 2>&1 | tail -8 > $OUT/tests.txt
+cat $OUT/tests.txt
+timeout 200 python3 scripts/probe_prefill.py --cases 16x2048,1x8192,1x4096 --kinds bf16 --ab "SERVEATTN_PREFILL_WS_SHARED_ROWS=1;SERVEATTN_PREFILL_WS_SHARED_ROWS=0" --rounds 5 2>&1 | grep -v "backend='auto'" > $OUT/ab.txt; cat $OUT/ab.txt

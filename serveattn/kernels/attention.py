@@ -425,6 +425,8 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
         return False
     if k.dtype.itemsize not in (1, 2):
         return False
+    if k.dtype.itemsize == 2 and plan.gathered is not None and not plan.gathered[4] and knob != "force":
+        return False  # this plan's copy was found not to pay: no need to ask serves()
     if not attention_ws.serves(q, k, v, plan, None, as_ragged=True):  # before any host work for the copy
         return False
     page_req, tok_indptr, ragged, tokens, pays = _gathered_plan(plan)
