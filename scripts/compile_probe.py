@@ -102,8 +102,7 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_di
     q_box = [ws.BLOCK_M.value // 2 // group, group, head_dim]
     q_layout = gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
-                      K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8, Q_TMA=True, KV_HEADS=8,
-                      SHARED_ROWS=paged and not fp8 and os.environ.get("SERVEATTN_PREFILL_WS_SHARED_ROWS", "1") == "1")
+                      K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8, Q_TMA=True, KV_HEADS=8)
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:

@@ -155,8 +155,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
              work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
              k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
              GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr, V_T: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr,
-             SHARED_ROWS: gl.constexpr):
+             CAUSAL: gl.constexpr, V_T: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
     num_tasks = gl.load(num_work_ptr) * KV_HEADS
     done = 0  # blocks of earlier work items: the ring's stage and phase run on across items
     items = 0
@@ -177,22 +176,18 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
             _fetch_q(q_desc, q_smem, q_ready, q_empty, items, q_start + tile * (BLOCK_M // GROUP), kvh, GROUP)
             items += 1
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
-        k_rows = ()  # of _block_rows' type (no page of an empty request is read)
-        for i in gl.static_range(BLOCK_N // BOX if PAGED else 1):
-            k_rows = k_rows + (k_page_rows * 0 + k_row * 0 + kv_base * 0,)
         if n_blocks > 0:
-            k_rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
+            rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
             st = done % STAGES
             mbarrier.wait(k_empty.index(st), ((done // STAGES) & 1) ^ 1)
-            _fetch(k_desc, k_smem.index(st), k_ready.index(st), k_rows, k_col, BOX)
+            _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
         for j in range(n_blocks):
             g = done + j + 1
-            k_rows_j = k_rows  # block j's K rows: V(j) reuses their page indices (SHARED_ROWS)
             if j + 1 < n_blocks:
-                k_rows = _block_rows(kv_indices, kv_base, kv_len, j + 1, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
+                rows = _block_rows(kv_indices, kv_base, kv_len, j + 1, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
                 st = g % STAGES
                 mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
-                _fetch(k_desc, k_smem.index(st), k_ready.index(st), k_rows, k_col, BOX)
+                _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
             g = done + j
             st = g % STAGES
             if V_T:  # fp8 attention: V^T [kv head * dim, token] (attention.transpose_v_kernel), one copy a block
@@ -201,12 +196,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 tma.async_copy_global_to_shared(v_desc, [v_row, vt_base + j * BLOCK_N], v_ready.index(st),
                                                 v_smem.index(st))
             else:
-                if SHARED_ROWS:  # V's pages are K's at the same row stride: no second trip to the page table
-                    rows = ()
-                    for i in gl.static_range(len(k_rows_j)):
-                        rows = rows + (k_rows_j[i] - k_row + v_row,)
-                else:
-                    rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
+                rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
                 mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
                 _fetch(v_desc, v_smem.index(st), v_ready.index(st), rows, v_col, BOX)
         done += n_blocks
@@ -456,8 +446,7 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                       kv_tok_indptr, q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
                       GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BOX: gl.constexpr, PAGED: gl.constexpr,
                       CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr,
-                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr,
-                      SHARED_ROWS: gl.constexpr = False):
+                      V_SCALE_PTR: gl.constexpr, FP8: gl.constexpr, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
     """Persistent: each program walks its share of the (work item, KV head) tasks (_task), so a program's producer
     fetches its next task's q and K/V while the current one ends.
     FP8: fp8 q and K/V, both products on fp8 tensor cores; v_desc then addresses V^T (keys contiguous, the
@@ -508,7 +497,7 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
                     v_empty,
                     work, num_work_ptr, qo_indptr, kv_indptr, kv_indices, last_page_len,
                     k_page_rows, k_head_rows, k_head_cols, v_page_rows, v_head_rows, v_head_cols, kv_tok_indptr,
-                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8, Q_TMA, KV_HEADS, SHARED_ROWS)),
+                    GROUP, PAGE_SIZE, BOX, PAGED, CAUSAL, FP8, Q_TMA, KV_HEADS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -631,14 +620,6 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
     return True
 
 
-def _shared_rows(plan, fp8: bool, k_map, v_map) -> bool:
-    """Whether the producer may take V's page rows from K's (the same page stride in rows; the head's row offset
-    is added back): one page-table trip a key block instead of two. SERVEATTN_PREFILL_WS_SHARED_ROWS=0: never
-    (measuring)."""
-    return (plan.paged and not fp8 and k_map[1] == v_map[1]
-            and os.environ.get("SERVEATTN_PREFILL_WS_SHARED_ROWS", "1") == "1")
-
-
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
            ks_dev: bool, vs_dev: bool, descales=None, vt=None) -> bool:
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not.
@@ -681,6 +662,5 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
         qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args,
         GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
         RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8, Q_TMA=q_desc is not None,
-        KV_HEADS=plan.num_kv_heads, SHARED_ROWS=_shared_rows(plan, fp8, k_map, v_map), num_warps=4, maxnreg=MAX_REGS,
-        **LAUNCH_OPTIONS)
+        KV_HEADS=plan.num_kv_heads, num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
     return True
