@@ -33,6 +33,8 @@ def main():
                     " timed in turn, --rounds times each, on the same inputs in this process")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also each kernel's device time a call (CUDA profiler)")
+    ap.add_argument("--full-bf16", action="store_true", help="a bf16 cache of torch.randn values (default: the e4m3 "
+                    "cache's values widened, so bf16 and fp8 kinds share inputs; fewer mantissa bits toggle)")
     args = ap.parse_args()
     tile_sweep.sweep("SERVEATTN_PREFILL_TILES", args.tiles, lambda: probe(args))
 
@@ -58,6 +60,8 @@ def probe(args):
             qd = e4m3 if kind == "fp8" else torch.bfloat16
             kd = torch.bfloat16 if kind == "bf16" else e4m3
             cache = cache8 if kd == e4m3 else cache8.to(kd)
+            if kd != e4m3 and args.full_bf16:
+                cache = torch.randn(cache8.shape, device="cuda", generator=gen).to(kd)
             qq = q.to(e4m3) if kind == "fp8" else q
 
             def make_fn():  # planned anew for each --ab setting (some knobs are read at plan time)

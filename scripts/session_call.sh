@@ -1,3 +1,14 @@
-# session 15, final call: the whole GPU suite on the session's main, then bench prefill with every peer
-TESTS_TIMEOUT=400 BENCH_TIMEOUT=200 scripts/gpu_run.sh env tests fi-setup bench-prefill > /dev/null 2>&1
-grep -E "passed|failed" $OUT/gpu-tests.log | tail -3; grep -E "FAILED" $OUT/gpu-tests.log | head; grep "^| " $OUT/bench-prefill.log | head -10; cat $OUT/summary.txt
+# session 15, last call: does the probe's cache data (e4m3 values widened) make it faster than full bf16 values?
+# Alternating processes; then the bench's 16x2048 row with 4 passes.
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+for r in 1 2; do
+  for full in "" "--full-bf16"; do
+    echo "== data ${full:-e4m3-widened}"
+    timeout 45 python3 scripts/probe_prefill.py --cases 16x2048,1x16384 --kinds bf16 $full 2>&1 | grep -v "backend='auto'"
+  done
+done 2>&1 | tee $OUT/probe-data.txt
+timeout 80 python3 -m serveattn.bench prefill --cases 16x2048 --peers cudnn --passes 4 --json $OUT/b.json 2>&1 | grep "^| 16x2048" | tee $OUT/bench-4pass.txt
+python3 -c "
+import json; d=json.load(open('$OUT/b.json'))
+for c in d['families']['prefill']['cases']:
+    for k,r in c['runners'].items(): print(k, [round(x,4) for x in r.get('ms_runs',[])])" | tee -a $OUT/bench-4pass.txt
