@@ -491,6 +491,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **LAUNCH_OPTIONS,
     )
