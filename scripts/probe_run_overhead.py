@@ -1,20 +1,34 @@
 """Our own Python cost of one decode run(), without Triton's launch (CPU; no GPU needed).
 
-The decode and merge kernels are replaced by no-ops, so what is timed is run()'s checks, the cache split, the
-argument assembly and Triton's entry point up to the launch: issue 6's "run() Python overhead". Batch 256,
-KV 1024, GQA 32/8, head dim 128, bf16, page 16; best of 9 x 3000 calls.
+Default: the decode and merge kernels are replaced by no-ops, so what is timed is run()'s checks, the cache split,
+the argument assembly and Triton's entry point up to the launch: issue 6's "run() Python overhead".
+--fast-launch: the real kernels' JIT functions and our fast launch path (kernels/launch.py: the argument key,
+the entry lookup, the globals check) down to a no-op launcher in place of Triton's compiled C launcher; on the
+H200's host the C launcher adds its own ~10 us. Batch 256, KV 1024, GQA 32/8, head dim 128, bf16, page 16; best of
+9 x 3000 calls; --profile adds a cProfile by own time.
 
-    python scripts/probe_run_overhead.py
+    python scripts/probe_run_overhead.py [--fast-launch] [--profile]
 """
+import argparse
+import cProfile
 import os
+import pstats
+import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+ap = argparse.ArgumentParser()
+ap.add_argument("--fast-launch", action="store_true")
+ap.add_argument("--profile", action="store_true")
+ARGS = ap.parse_args()
+# --fast-launch needs JITFunctions (the interpreter would hand out InterpretedFunctions) with CPU tensors
+os.environ["TRITON_INTERPRET"] = "0" if ARGS.fast_launch else os.environ.get("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
 import serveattn  # noqa: E402
+from serveattn import backend  # noqa: E402
 from serveattn.kernels import decode as decode_kernels  # noqa: E402
+from serveattn.kernels import launch as fast  # noqa: E402
 
 
 class _NoLaunch:
@@ -22,8 +36,33 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+class _FakeDriver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 0)
+
+
+class _CompiledStandIn:
+    """What JITFunction.run returns once compiled, with a launcher that does nothing."""
+    function = None
+    packed_metadata = ()
+
+    def run(self, *args):
+        pass
+
+
+def _fast_launch_to_nothing():
+    backend.interpreting = lambda: True  # backend="triton" on CPU tensors
+    fast._driver, fast.ENABLED = _FakeDriver, True
+    for jit_fn in (decode_kernels.decode_kernel, decode_kernels.merge_kernel):
+        jit_fn.run = lambda *args, grid, warmup, **kwargs: _CompiledStandIn()
+
+
 def main():
-    decode_kernels.decode_kernel = decode_kernels.merge_kernel = _NoLaunch()
+    if ARGS.fast_launch:
+        _fast_launch_to_nothing()
+    else:
+        decode_kernels.decode_kernel = decode_kernels.merge_kernel = _NoLaunch()
     batch, pages = 256, 64
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
     indices = torch.randperm(batch * pages).to(torch.int32)
@@ -35,13 +74,23 @@ def main():
     w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
     for _ in range(300):
         w.run(q, cache, out=out)
+    if ARGS.fast_launch and not fast._launches_of(decode_kernels.decode_kernel).entries:
+        sys.exit("the fast launch path kept no entry: the probe would time Triton's path")
     best = float("inf")
     for _ in range(9):
         t = time.perf_counter()
         for _ in range(3000):
             w.run(q, cache, out=out)
         best = min(best, (time.perf_counter() - t) / 3000 * 1e6)
-    print(f"decode run() at batch 256 without Triton's launch: {best:.1f} us")
+    how = "through our fast launch to a no-op launcher" if ARGS.fast_launch else "without Triton's launch"
+    print(f"decode run() at batch 256 {how}: {best:.1f} us")
+    if ARGS.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3000):
+            w.run(q, cache, out=out)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":
