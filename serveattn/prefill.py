@@ -121,8 +121,8 @@ class Plan:
     vt_work: Optional[torch.Tensor] = None
     kv_tok_indptr: Optional[torch.Tensor] = None
     vt_tokens: int = 0
-    # an fp8 cache gathered for the warp-specialized kernel (attention.launch): (page -> request, token indptr,
-    # the ragged view of this plan), made at the first run that takes that path
+    # the paged cache copied into ragged rows for the warp-specialized kernel (kernels/attention.Gathered: page ->
+    # request, token indptr, the ragged view of this plan, whether it pays), made at the first run that asks
     gathered: Optional[tuple] = None
 
     def static_signature(self):

@@ -37,3 +37,31 @@ def test_gathered_rows_are_the_dequantized_cache(fp8, dtype, layout, page_size, 
                         int(page_req.numel()), num_kv_heads)
     assert torch.equal(ko.view(torch.int16), ref_k.view(torch.int16))  # bitwise, NaN and -0 included
     assert torch.equal(vo.view(torch.int16), ref_v.view(torch.int16))
+
+
+@pytest.mark.parametrize("cache_dtype, knob, known_pays, asks", [
+    (torch.bfloat16, "1", False, False),  # a plan whose copy is known not to pay: decided without serves()
+    (torch.bfloat16, "1", None, True),  # not known yet: serves() first, then the plan's numbers
+    (torch.bfloat16, "1", True, True),
+    (torch.bfloat16, "force", False, True),  # forced: copied whether it pays or not
+    (torch.bfloat16, "0", None, False),  # off
+    (torch.float16, "1", None, False),  # a 16-bit cache of another dtype than q: never copied
+    (torch.float8_e4m3fn, "0", False, True),  # an fp8 cache has no other way onto the kernel: the knob is for 16-bit
+])
+def test_which_paged_calls_consider_the_copy(cache_dtype, knob, known_pays, asks, monkeypatch):
+    """attention._launch_gathered's decisions before any copy (the copy itself needs CUDA: the GPU tests): which
+    calls go on to ask the warp-specialized kernel whether it serves the copied rows."""
+    from types import SimpleNamespace
+    from serveattn.kernels import attention
+    if attention.attention_ws is None:
+        pytest.skip("no Gluon in this Triton")
+    asked = []
+    monkeypatch.setattr(attention.attention_ws, "serves", lambda *a, **k: asked.append(1) or False)
+    monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", knob)
+    q = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    k = v = SimpleNamespace(dtype=cache_dtype)
+    plan = SimpleNamespace(paged=True, gathered=None if known_pays is None else attention.Gathered(
+        None, None, None, 0, known_pays))
+    args = (None,) * 9
+    assert attention._launch_gathered(q, k, v, None, None, plan, *args) is False
+    assert bool(asked) is asks

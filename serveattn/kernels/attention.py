@@ -10,6 +10,7 @@ stride over the work items.
 """
 import os
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -388,9 +389,17 @@ def scale_args(scale, placeholder):
     return (1.0 if scale is None else float(scale)), placeholder, False
 
 
-def _gathered_plan(plan):
-    """(page -> request, token indptr, ragged view of plan, tokens, pays) for gather.gather_widen, made once per
-    plan. pays: whether gathering a 16-bit cache is worth it (see _launch_gathered)."""
+class Gathered(NamedTuple):
+    """What copying a plan's pages into ragged rows takes (gather.gather_widen), made once per plan."""
+    page_req: torch.Tensor  # the request of each kv_indices entry
+    tok_indptr: torch.Tensor  # each request's first gathered row
+    ragged: object  # the plan as a ragged one over the gathered rows
+    tokens: int
+    pays: bool  # whether gathering a 16-bit cache is worth it (see _launch_gathered)
+
+
+def _gathered_plan(plan) -> Gathered:
+    """The plan's Gathered, made at its first call that asks."""
     if plan.gathered is None:
         pages = np.diff(plan.kv_indptr_host.numpy())
         page_req = torch.from_numpy(np.repeat(np.arange(pages.size, dtype=np.int32), pages))
@@ -407,7 +416,7 @@ def _gathered_plan(plan):
         flops = 4.0 * pairs * plan.num_qo_heads * plan.head_dim
         copy_bytes = 2.0 * 2 * int(tok[-1]) * plan.num_kv_heads * plan.head_dim * 2
         pays = GATHER_GAIN * flops / MATRIX_FLOPS > copy_bytes / COPY_BYTES_PER_S
-        plan.gathered = (page_req.to(dev), tok_indptr, ragged, int(tok[-1]), pays)
+        plan.gathered = Gathered(page_req.to(dev), tok_indptr, ragged, int(tok[-1]), pays)
     return plan.gathered
 
 
@@ -420,17 +429,22 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
     gives the same bits. SERVEATTN_PREFILL_GATHER=force copies a 16-bit cache whether it pays or not (measuring)."""
     if not (plan.paged and q.is_cuda and v.dtype == k.dtype and q.dtype.itemsize == 2):
         return False
-    knob = os.environ.get("SERVEATTN_PREFILL_GATHER", "1")
-    if k.dtype.itemsize == 2 and (k.dtype != q.dtype or knob not in ("1", "force")):
+    if k.dtype.itemsize == 2:
+        knob = os.environ.get("SERVEATTN_PREFILL_GATHER", "1")
+        if k.dtype != q.dtype or knob not in ("1", "force"):
+            return False
+        # a 16-bit cache is copied only where that pays (decided once per plan), or when forced
+        must_pay = knob != "force"
+        if must_pay and plan.gathered is not None and not plan.gathered.pays:
+            return False  # known from an earlier call: no need to ask serves()
+    elif k.dtype.itemsize == 1:
+        must_pay = False  # an fp8 cache has no other way onto the kernel
+    else:
         return False
-    if k.dtype.itemsize not in (1, 2):
-        return False
-    if k.dtype.itemsize == 2 and plan.gathered is not None and not plan.gathered[4] and knob != "force":
-        return False  # this plan's copy was found not to pay: no need to ask serves()
     if not attention_ws.serves(q, k, v, plan, None, as_ragged=True):  # before any host work for the copy
         return False
     page_req, tok_indptr, ragged, tokens, pays = _gathered_plan(plan)
-    if k.dtype.itemsize == 2 and not pays and knob != "force":
+    if must_pay and not pays:
         return False
     shape = (tokens, plan.num_kv_heads, plan.head_dim)
     if tokens == 0 or 2 * tokens * plan.num_kv_heads * plan.head_dim * q.element_size() > GATHER_MAX_BYTES:
