@@ -215,11 +215,14 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         x = s * qk_scale[:, None]
     else:
         x = s * qk_scale
-    n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    # key n = key0 + column. fp8 compares the column against bounds less key0, so the column vector is the same
+    # every block (no per-block adds): fp8 +4-5% on the H200, bf16 -1% at 1x4096 (session 17), hence fp8 only
+    key0 = j * BN if FP8 else 0
+    n = gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout)) + (j * BN - key0)
     if j >= n_full:  # prefill_kernel's MASKED blocks
-        visible = (n < kv_len)[None, :] & row_ok[:, None]
+        visible = (n < kv_len - key0)[None, :] & row_ok[:, None]
         if CAUSAL:
-            visible = visible & (n[None, :] <= (delta + tok)[:, None])
+            visible = visible & (n[None, :] <= (delta + tok - key0)[:, None])
         x = gl.where(visible, x, float("-inf"))
     if SOFTMAX_FMA:
         m_new = gl.maximum(m_i, gl.max(x, 1) * qk_scale)
