@@ -241,15 +241,17 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
-    if FP8 and FP8_KEY_ORDER:  # V^T holds the keys in this order (common.vt_column)
-        return _p_operand_permuted(p if SOFTMAX_FMA else p * P_SCALE, p_layout), alpha, m_new, l_i
-    if SOFTMAX_FMA and FP8:
-        p_op = p.to(gl.float8e4nv)
-    elif FP8:
-        p_op = (p * P_SCALE).to(gl.float8e4nv)
+    if FP8 and FP8_KEY_ORDER:  # V^T holds the keys in this order (common.vt_column); packed words (_p_operand)
+        p_op = _p_operand_permuted(p if SOFTMAX_FMA else p * P_SCALE, p_layout)
     else:
-        p_op = p.to(dtype)
-    return gl.convert_layout(p_op, p_layout), alpha, m_new, l_i
+        if SOFTMAX_FMA and FP8:
+            p_op = p.to(gl.float8e4nv)
+        elif FP8:
+            p_op = (p * P_SCALE).to(gl.float8e4nv)
+        else:
+            p_op = p.to(dtype)
+        p_op = gl.convert_layout(p_op, p_layout)
+    return p_op, alpha, m_new, l_i
 
 
 @gluon.jit
@@ -257,13 +259,19 @@ def _p_operand_permuted(p, p_layout: gl.constexpr):
     """fp8 P as the A operand of P.V without moving a value between lanes: within each 32 keys, A position
     a = 16 h + 4 c + e (lane c of a quad, byte e of its register) takes key 16 h + 8 (e // 2) + 2 c + e % 2,
     the key that lane already holds in the accumulator layout of S (two adjacent keys every 8). V^T is
-    written in the same order (common.vt_column). Four values to one register in
-    two cvt (the same rounding as Triton's fp32 -> e4m3 conversion)."""
+    written in the same order (common.vt_column). Four values to one int32 word in two cvt (the same rounding as
+    Triton's fp32 -> e4m3 conversion): P as [rows, cols / 4] words, the operand made from them by _p_operand."""
     rows: gl.constexpr = p.shape[0]
     cols: gl.constexpr = p.shape[1]
     # key bits (k4 k3 k2 k1 k0) -> A position bits (k4 k2 k1 k3 k0)
     p = gl.reshape(gl.permute(gl.reshape(p, [rows, cols // 32, 2, 2, 2, 2, 2]), [0, 1, 2, 4, 5, 3, 6]), [rows, cols])
     p = gl.convert_layout(p, p_layout)  # the same registers: a relabelling
+    # each register's four values as four tensors [rows, cols / 4] (e = 2 * e1 + e0), packed into one int32 each:
+    # P crosses _consume's loop edge as 16 words a thread (as fp8 values it crossed as 64 bytes, each unpacked
+    # from its word and packed again: ~180 instructions a block)
+    e0, e1 = gl.split(gl.reshape(p, [rows, cols // 4, 2, 2]))
+    e00, e10 = gl.split(e0)
+    e01, e11 = gl.split(e1)
     return gl.inline_asm_elementwise(
         """{
         .reg .b16 lo, hi;
@@ -271,7 +279,24 @@ def _p_operand_permuted(p, p_layout: gl.constexpr):
         cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
         mov.b32 $0, {lo, hi};
         }""",
-        "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        "=r,r,r,r,r", [e00, e01, e10, e11], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _p_operand(p_op, p_layout: gl.constexpr, PACKED: gl.constexpr):
+    """P.V's A operand from what _softmax_block returned: as it is, or (PACKED) fp8 from _p_operand_permuted's
+    words: each word repeated over its four positions, then its bytes taken as they stand."""
+    if PACKED:
+        rows: gl.constexpr = p_op.shape[0]
+        cols: gl.constexpr = p_op.shape[1] * 4
+        w2 = gl.join(p_op, p_op)
+        w4 = gl.reshape(gl.join(w2, w2), [rows, cols])
+        w4 = gl.convert_layout(w4, p_layout)  # the same registers: a relabelling
+        # not pure, so it stays where it is called: before the loop's first wgmma (ptxas serializes every wgmma
+        # when an operand is defined by another instruction while a wgmma is in flight)
+        p_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [w4], dtype=gl.float8e4nv,
+                                         is_pure=False, pack=4)
+    return p_op
 
 
 @gluon.jit
@@ -376,13 +401,14 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 g = done + j
                 st = g % STAGES
                 nst = (g + 1) % STAGES
+                p_in = _p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER)
                 mbarrier.wait(turn.index(CID), turns & 1)
                 mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
                 s = warpgroup_mma(q_buf, k_smem.index(nst).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, FP8)
-                acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
+                acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j+1); P.V(j) may still run
@@ -391,13 +417,18 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                        row_qk_scale, p_layout, dtype, CAUSAL, FP8)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
                 mbarrier.arrive(v_empty.index(st), count=1)
+                if FP8 and FP8_KEY_ORDER:
+                    # P(j+1)'s words were made while P.V(j) read P(j)'s; carried as they are, ptxas gives both one
+                    # set of registers and serializes every wgmma (C7513). A copy once P.V(j) is done keeps them apart.
+                    p_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_op], dtype=gl.int32,
+                                                     is_pure=False, pack=1)
             if Q_TMA:  # every q.K^T of the item has completed: the producer may refill the buffer
                 mbarrier.arrive(q_empty.index(items % 2), count=1)
             g = done + n_blocks - 1
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, FP8)
-            acc = warpgroup_mma(p_op, v_op, acc, is_async=True)
+            acc = warpgroup_mma(_p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER), v_op, acc, is_async=True)
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
         elif Q_TMA:
