@@ -612,10 +612,12 @@ def run_runners(case: dict, runners: Sequence[str], prepare: Callable[[str], Pre
     runs = {k: [] for k in runners}
     b2b = {k: [] for k in runners}
     discard_first_timing(ready, timing)
+    order = list(runners)
     for p in range(timing.passes):  # passes interleave the runners, so drift shows up as spread
         # each pass starts one runner later: the first runner timed after a check or another case meets a GPU
         # that has cooled (clocks up), and no runner should hold that place in every pass
-        for key in list(runners)[p % len(runners):] + list(runners)[:p % len(runners)]:
+        start = p % len(order)
+        for key in order[start:] + order[:start]:
             bar.status(f"{name} {key}: pass {p + 1}/{timing.passes}")
             if key in ready:
                 try:
