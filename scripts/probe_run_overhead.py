@@ -4,10 +4,10 @@ Default: the decode and merge kernels are replaced by no-ops, so what is timed i
 the argument assembly and Triton's entry point up to the launch: issue 6's "run() Python overhead".
 --fast-launch: the real kernels' JIT functions and our fast launch path (kernels/launch.py: the argument key,
 the entry lookup, the globals check) down to a no-op launcher in place of Triton's compiled C launcher; on the
-H200's host the C launcher adds its own ~10 us. Batch 256, KV 1024, GQA 32/8, head dim 128, bf16, page 16; best of
+H200's host the C launcher adds its own ~10 us. Batch 256, KV 1024 (--batch, --kv), GQA 32/8, head dim 128, bf16, page 16; best of
 9 x 3000 calls; --profile adds a cProfile by own time.
 
-    python scripts/probe_run_overhead.py [--fast-launch] [--profile]
+    python scripts/probe_run_overhead.py [--fast-launch] [--profile] [--batch 1 --kv 8192]
 """
 import argparse
 import cProfile
@@ -19,6 +19,8 @@ import time
 ap = argparse.ArgumentParser()
 ap.add_argument("--fast-launch", action="store_true")
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--batch", type=int, default=256)
+ap.add_argument("--kv", type=int, default=1024, help="keys a request (a multiple of 16)")
 ARGS = ap.parse_args()
 # --fast-launch needs JITFunctions (the interpreter would hand out InterpretedFunctions) with CPU tensors
 os.environ["TRITON_INTERPRET"] = "0" if ARGS.fast_launch else os.environ.get("TRITON_INTERPRET", "1")
@@ -63,7 +65,7 @@ def main():
         _fast_launch_to_nothing()
     else:
         decode_kernels.decode_kernel = decode_kernels.merge_kernel = _NoLaunch()
-    batch, pages = 256, 64
+    batch, pages = ARGS.batch, ARGS.kv // 16
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
     indices = torch.randperm(batch * pages).to(torch.int32)
     last = torch.full((batch,), 16, dtype=torch.int32)
@@ -83,7 +85,7 @@ def main():
             w.run(q, cache, out=out)
         best = min(best, (time.perf_counter() - t) / 3000 * 1e6)
     how = "through our fast launch to a no-op launcher" if ARGS.fast_launch else "without Triton's launch"
-    print(f"decode run() at batch 256 {how}: {best:.1f} us")
+    print(f"decode run() at batch {batch}, kv {ARGS.kv} {how}: {best:.1f} us")
     if ARGS.profile:
         profiler = cProfile.Profile()
         profiler.enable()

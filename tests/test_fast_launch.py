@@ -400,3 +400,60 @@ def test_descriptor_launcher_declines_what_it_does_not_know():
     assert fast._descriptor_launcher(type("Kernel", (), {"run": run})()) is None
     run.launch = lambda *a: None  # not Triton 3.6's wrapper
     assert fast._descriptor_launcher(type("Kernel", (), {"run": run})()) is None
+
+
+# ---- launch.Pack: a plan's own arguments keyed once ----
+
+def test_pack_passes_what_launch_passes_and_shares_its_entries(fake_triton):
+    jit_fn, kernel, triton_calls = fake_triton
+    fixed = _args()
+    pack = fast.Pack(jit_fn, fixed, {"MODE": 1, "num_warps": 4}, fixed_positions=(1, 2, 10))
+    fast.launch(jit_fn, (3, 2), *_args(), MODE=1, num_warps=4)  # compiles (Triton's path) and keeps an entry
+    assert len(triton_calls) == 1
+    for grid in [(5, 2), (7,)]:
+        args = _args()
+        args[1], args[2], args[10] = fixed[1], fixed[2], fixed[10]  # the plan's objects, the rest new
+        assert pack(grid, *args) is kernel
+        expected = list(grid) + [1] * (3 - len(grid)) + [1234, "cu-function", ("packed",), None, None, None]
+        expected += [*args, 1, None]
+        assert _same(kernel.launches[-1], expected)
+    assert len(triton_calls) == 1 and len(fast._launches_of(jit_fn).entries) == 1  # launch()'s own entry
+
+
+def test_pack_key_follows_the_free_positions(fake_triton):
+    """A free argument's class still decides the entry (an unaligned X compiles anew), as in launch()."""
+    jit_fn, kernel, triton_calls = fake_triton
+    fixed = _args()
+    pack = fast.Pack(jit_fn, fixed, {"MODE": 1}, fixed_positions=(1, 2))
+    pack((1, 1), *fixed)
+    args = _args(offset=1)
+    args[1], args[2] = fixed[1], fixed[2]
+    pack((1, 1), *args)
+    assert len(triton_calls) == 2 and len(fast._launches_of(jit_fn).entries) == 2
+
+
+def test_pack_with_other_objects_at_fixed_positions_takes_launch(fake_triton, monkeypatch):
+    """Another object where the pack expects its own is keyed by launch(): here an unaligned Z, whose class is
+    not the one the pack's cached key part says (reusing it would launch the aligned kernel)."""
+    jit_fn, kernel, triton_calls = fake_triton
+    fixed = _args()
+    pack = fast.Pack(jit_fn, fixed, {"MODE": 1}, fixed_positions=(2,))
+    pack((1, 1), *fixed)
+    seen = []
+    real_launch = fast.launch
+    monkeypatch.setattr(fast, "launch", lambda *a, **k: seen.append(a[2:]) or real_launch(*a, **k))
+    other = _args()
+    other[2] = torch.zeros(64, dtype=torch.bfloat16)[1:]
+    pack((1, 1), *other)
+    assert len(seen) == 1 and seen[0][2] is other[2]
+    assert len(triton_calls) == 2 and len(fast._launches_of(jit_fn).entries) == 2
+
+
+def test_pack_off_means_triton_path(fake_triton, monkeypatch):
+    jit_fn, kernel, triton_calls = fake_triton
+    pack = fast.Pack(jit_fn, _args(), {"MODE": 1}, fixed_positions=(1,))
+    monkeypatch.setattr(fast, "ENABLED", False)
+    args = _args()
+    pack((1, 1), *args)
+    pack((1, 1), *args)
+    assert len(triton_calls) == 2

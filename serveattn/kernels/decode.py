@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
 from .common import LAUNCH_OPTIONS, to_dtype
-from .launch import launch as launch_jit
+from .launch import Pack
 from .sizes import next_pow2
 
 
@@ -188,18 +188,37 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     memo = plan.launch_memo.get(kind)
     if memo is None:
         memo = plan.launch_memo[kind] = _launch_memo(plan, *kind)
-    plan_args, kwargs, merge_kwargs = memo
+    plan_args, kwargs, merge_kwargs, packs = memo
+    args = (q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
+            q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
+            *plan_args, done_count if fused else plan.work,
+            plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr)
+    if not packs:  # the plan's own arguments keyed once (launch.Pack): made at the first call of this kind
+        packs.append(Pack(decode_kernel, args, kwargs, _fixed_positions(len(plan_args), ks_dev, vs_dev)))
+        packs.append(Pack(merge_kernel, _merge_args(plan, out, lse_arg, slb, slh), merge_kwargs, (0, 1, 4, 5)))
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
-    launch_jit(decode_kernel, (plan.num_kv_heads, min(grid0, 65535)),
-        q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
-        q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
-        *plan_args, done_count if fused else plan.work,
-        plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr,
-        **kwargs)
+    packs[0]((plan.num_kv_heads, min(grid0, 65535)), *args)
     if merge_rows and not fused:
-        launch_jit(merge_kernel, (merge_rows, plan.num_kv_heads),
-            plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
-            out.stride(0), out.stride(1), slb, slh, **merge_kwargs)
+        packs[1]((merge_rows, plan.num_kv_heads), *_merge_args(plan, out, lse_arg, slb, slh))
+
+
+def _merge_args(plan, out, lse_arg, slb, slh):
+    return (plan.part_o, plan.part_lse, out, lse_arg, plan.req_first_slot, plan.req_num_slots,
+            out.stride(0), out.stride(1), slb, slh)
+
+
+def _fixed_positions(num_plan_args: int, ks_dev: bool, vs_dev: bool):
+    """Positions of decode_kernel's arguments that are the plan's own objects at every call of one kind (launch's
+    argument order): part_o, part_lse, the schedule arrays and work / done_count, soft_cap and window_left, and the
+    scale pointers when they are the placeholder."""
+    first_plan_arg = 19  # q, k, v, out, lse, part_o, part_lse, 2 + 3 + 3 + 2 + 2 strides
+    work = first_plan_arg + num_plan_args
+    fixed = [5, 6, *range(first_plan_arg, work + 1), work + 3, work + 4]
+    if not ks_dev:
+        fixed.append(work + 6)
+    if not vs_dev:
+        fixed.append(work + 7)
+    return tuple(fixed)
 
 
 def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool, kv_same_strides: bool):
@@ -229,4 +248,4 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         LSE_SLOTS=lse_slots(merge_rows_pad, 4),
         num_warps=4, **LAUNCH_OPTIONS,
     )
-    return plan_args, kwargs, merge_kwargs
+    return plan_args, kwargs, merge_kwargs, []  # launch.Packs, made at the first call

@@ -94,15 +94,18 @@ def _other_key(value):
     raise UnkeyedArgument(cls.__name__)
 
 
-def _key_function(launches: _KernelLaunches, num_args: int):
+def _key_function(launches: _KernelLaunches, num_args: int, fixed_parts=None):
     """The positional arguments' key as one generated function (an expression per parameter: no call per
-    argument, no loop)."""
+    argument, no loop). fixed_parts {position: key part}: those positions' parts as constants (Pack)."""
     if num_args > len(launches.params):
         raise UnkeyedArgument("more positional arguments than parameters")
+    fixed_parts = fixed_parts or {}
     names = [f"a{i}" for i in range(num_args)]
-    parts = [_param_key_expression(n, p) for n, p in zip(names, launches.params)]
+    parts = [f"_fixed[{i}]" if i in fixed_parts else _param_key_expression(n, p)
+             for i, (n, p) in enumerate(zip(names, launches.params))]
     source = f"def positional_key({', '.join(names)}):\n    return ({''.join(p + ', ' for p in parts)})\n"
-    namespace = {"_Tensor": torch.Tensor, "_other_key": _other_key, "_wide_int_key": _wide_int_key}
+    namespace = {"_Tensor": torch.Tensor, "_other_key": _other_key, "_wide_int_key": _wide_int_key,
+                 "_fixed": fixed_parts}
     exec(source, namespace)
     return namespace["positional_key"]
 
@@ -203,21 +206,40 @@ def _descriptor_launcher(kernel):
     return launch
 
 
-def launch(jit_fn, grid, *args, **kwargs):
-    """jit_fn[grid](*args, **kwargs), without Triton's per-call work once this argument class has launched."""
+def _runnable(jit_fn, grid):
+    """The JIT function's launch state when this call may take the fast path, else None."""
     if not ENABLED:
-        return jit_fn[grid](*args, **kwargs)
+        return None
     launches = _launches_of(jit_fn)
     runtime = knobs.runtime
     if (launches is None or jit_fn.pre_run_hooks or callable(grid)
             or not (_hook_idle(runtime.launch_enter_hook) and _hook_idle(runtime.launch_exit_hook))):
+        return None
+    return launches
+
+
+def launch(jit_fn, grid, *args, **kwargs):
+    """jit_fn[grid](*args, **kwargs), without Triton's per-call work once this argument class has launched."""
+    launches = _runnable(jit_fn, grid)
+    if launches is None:
         return jit_fn[grid](*args, **kwargs)
+    try:
+        arg_key = arguments_key(launches, args, kwargs)
+    except Exception:  # an argument we cannot key (or an unhashable constexpr): Triton's path decides
+        return jit_fn[grid](*args, **kwargs)
+    return _launch_keyed(jit_fn, launches, grid, args, kwargs, arg_key)
+
+
+def _launch_keyed(jit_fn, launches, grid, args, kwargs, arg_key):
+    """launch() once the arguments' key is made: the cached entry's launcher, or Triton's path (which compiles or
+    finds the kernel) and a new entry."""
     active = _driver.active
     device = active.get_current_device()
+    runtime = knobs.runtime
     try:
-        key = (device, runtime.debug, knobs.compilation.instrumentation_mode) + arguments_key(launches, args, kwargs)
+        key = (device, runtime.debug, knobs.compilation.instrumentation_mode) + arg_key
         entry = launches.entries.get(key)
-    except Exception:  # an argument we cannot key (or an unhashable constexpr): Triton's path decides
+    except Exception:  # an unhashable constexpr: Triton's path decides
         return jit_fn[grid](*args, **kwargs)
     if entry is None:
         kernel = jit_fn[grid](*args, **kwargs)
@@ -238,3 +260,40 @@ def launch(jit_fn, grid, *args, **kwargs):
     launcher(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, active.get_current_stream(device),
              function, packed_metadata, None, None, None, *args, *trailing)
     return kernel
+
+
+class Pack:
+    """launch() for calls whose arguments at some positions are the same objects every time (a plan's own
+    tensors, a plan's keywords): their key parts and the keywords' key are made once, here, instead of at every
+    call. A call whose fixed positions hold other objects takes launch() as it is; the key is the one launch()
+    makes (the same cache entries)."""
+
+    def __init__(self, jit_fn, args, kwargs, fixed_positions):
+        self.jit_fn = jit_fn
+        self.kwargs = dict(kwargs)
+        self.fixed = tuple((i, args[i]) for i in fixed_positions)
+        self.num_args = len(args)
+        self.key_function = None
+        launches = _launches_of(jit_fn) if ENABLED else None
+        if launches is None:
+            return
+        try:
+            parts = _key_function(launches, len(args))(*args)
+            self.key_function = _key_function(launches, len(args), {i: parts[i] for i in fixed_positions})
+            self.kwargs_key = tuple(self.kwargs.items())
+            hash(self.kwargs_key)
+        except Exception:  # noqa: BLE001 - an argument we cannot key: every call takes launch()
+            self.key_function = None
+
+    def __call__(self, grid, *args):
+        launches = _runnable(self.jit_fn, grid) if self.key_function is not None else None
+        if launches is None or len(args) != self.num_args:
+            return launch(self.jit_fn, grid, *args, **self.kwargs)
+        for i, obj in self.fixed:
+            if args[i] is not obj:
+                return launch(self.jit_fn, grid, *args, **self.kwargs)
+        try:
+            arg_key = (self.kwargs_key, self.key_function(*args))
+        except Exception:  # noqa: BLE001
+            return self.jit_fn[grid](*args, **self.kwargs)
+        return _launch_keyed(self.jit_fn, launches, grid, args, self.kwargs, arg_key)
