@@ -170,3 +170,22 @@ def test_tma_descriptor_validates_once_and_equals_the_dataclass():
         ws._tma_descriptor(flat[1:], [100, 128], strides, block)  # 2-byte offset: checked again, refused
     with pytest.raises(AssertionError, match="shape must be positive"):
         ws._tma_descriptor(t, [0, 128], strides, block)
+
+
+def test_measuring_knockouts_are_off_unless_named(monkeypatch):
+    """SERVEATTN_PREFILL_WS_KNOCKOUT (scripts/probe_knockouts.sh) gives wrong results by design: unset, every switch
+    is off; each name turns on its own switch only."""
+    import importlib
+    names = {"softmax": "KNOCK_SOFTMAX", "exp": "KNOCK_EXP", "rowstats": "KNOCK_ROWSTATS", "pv": "KNOCK_PV",
+             "kv": "KNOCK_KV"}
+    try:
+        for value, on in [(None, set()), ("", set()), ("exp,kv", {"exp", "kv"}), ("pv", {"pv"})]:
+            if value is None:
+                monkeypatch.delenv("SERVEATTN_PREFILL_WS_KNOCKOUT", raising=False)
+            else:
+                monkeypatch.setenv("SERVEATTN_PREFILL_WS_KNOCKOUT", value)
+            mod = importlib.reload(ws)
+            assert {n for n, attr in names.items() if getattr(mod, attr).value} == on
+    finally:
+        monkeypatch.undo()
+        importlib.reload(ws)

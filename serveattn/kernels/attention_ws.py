@@ -51,6 +51,16 @@ LOG2_P_SCALE = gl.constexpr(8.0)
 HEAD_DIMS = (64, 128)  # served head dims (the kernels read theirs from the tiles' shapes)
 # K and V ring depth; SERVEATTN_PREFILL_WS_STAGES=3 (229 KB of shared memory) is for measuring only
 STAGES = gl.constexpr(int(os.environ.get("SERVEATTN_PREFILL_WS_STAGES", "2")))
+# Measuring only (results wrong; scripts/probe_knockouts.sh): SERVEATTN_PREFILL_WS_KNOCKOUT names parts
+# of the work to drop, comma-separated: softmax (P = the scaled logits, no max / exp2 / sum / rescale), exp (exp2
+# replaced by its argument), rowstats (no row max or row sum), pv (no P.V product), kv (the producer arrives on the
+# K/V barriers without copying)
+_KNOCKOUT = os.environ.get("SERVEATTN_PREFILL_WS_KNOCKOUT", "").split(",")
+KNOCK_SOFTMAX = gl.constexpr("softmax" in _KNOCKOUT)
+KNOCK_ROWSTATS = gl.constexpr("rowstats" in _KNOCKOUT)
+KNOCK_EXP = gl.constexpr("exp" in _KNOCKOUT)
+KNOCK_PV = gl.constexpr("pv" in _KNOCKOUT)
+KNOCK_KV = gl.constexpr("kv" in _KNOCKOUT)
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fills the register file
@@ -127,9 +137,12 @@ def _block_rows(kv_indices, kv_base, kv_len, block, page_rows, head_row, PAGE_SI
 def _fetch(desc, smem, bar, rows, head_col, BOX: gl.constexpr):
     """TMA of one key block (its copies' rows from _block_rows) into smem, completing on bar."""
     HEAD_DIM: gl.constexpr = smem.shape[1]
-    mbarrier.expect(bar, BLOCK_N * HEAD_DIM * smem.dtype.primitive_bitwidth // 8)  # one per phase: every copy issued
-    for i in gl.static_range(BLOCK_N // BOX):
-        tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
+    if KNOCK_KV:
+        mbarrier.arrive(bar, count=1)
+    else:
+        mbarrier.expect(bar, BLOCK_N * HEAD_DIM * smem.dtype.primitive_bitwidth // 8)  # one per phase: every copy issued
+        for i in gl.static_range(BLOCK_N // BOX):
+            tma.async_copy_global_to_shared(desc, [rows[i], head_col], bar, smem.slice(i * BOX, BOX))
 
 
 @gluon.jit
@@ -192,9 +205,12 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
             st = g % STAGES
             if V_T:  # fp8 attention: V^T [kv head * dim, token] (attention.transpose_v_kernel), one copy a block
                 mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_ready.index(st), BLOCK_N * v_smem.shape[1])
-                tma.async_copy_global_to_shared(v_desc, [v_row, vt_base + j * BLOCK_N], v_ready.index(st),
-                                                v_smem.index(st))
+                if KNOCK_KV:
+                    mbarrier.arrive(v_ready.index(st), count=1)
+                else:
+                    mbarrier.expect(v_ready.index(st), BLOCK_N * v_smem.shape[1])
+                    tma.async_copy_global_to_shared(v_desc, [v_row, vt_base + j * BLOCK_N], v_ready.index(st),
+                                                    v_smem.index(st))
             else:
                 rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
                 mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
@@ -224,23 +240,33 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if CAUSAL:
             visible = visible & (n[None, :] <= (delta + tok - key0)[:, None])
         x = gl.where(visible, x, float("-inf"))
-    if SOFTMAX_FMA:
+    if KNOCK_SOFTMAX or KNOCK_ROWSTATS:
+        m_new = m_i
+    elif SOFTMAX_FMA:
         m_new = gl.maximum(m_i, gl.max(x, 1) * qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(x, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if SOFTMAX_FMA and FP8:  # P_SCALE folded into the exponent, as prefill_kernel's FOLD
-        p = gl.exp2(gl.fma(x, qk_scale[:, None], (-m_safe + LOG2_P_SCALE)[:, None]))
-    elif SOFTMAX_FMA:
-        p = gl.exp2(gl.fma(x, qk_scale, -m_safe[:, None]))
+    if KNOCK_SOFTMAX:
+        p = x
+        alpha = gl.exp2(m_i - m_safe)
     else:
-        p = gl.exp2(x - m_safe[:, None])
-    alpha = gl.exp2(m_i - m_safe)
-    if SOFTMAX_FMA and FP8:
-        l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
-    else:
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if SOFTMAX_FMA and FP8:  # P_SCALE folded into the exponent, as prefill_kernel's FOLD
+            p = gl.fma(x, qk_scale[:, None], (-m_safe + LOG2_P_SCALE)[:, None])
+        elif SOFTMAX_FMA:
+            p = gl.fma(x, qk_scale, -m_safe[:, None])
+        else:
+            p = x - m_safe[:, None]
+        if not KNOCK_EXP:
+            p = gl.exp2(p)
+        alpha = gl.exp2(m_i - m_safe)
+        if KNOCK_ROWSTATS:
+            l_i = l_i * alpha
+        elif SOFTMAX_FMA and FP8:
+            l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
+        else:
+            l_i = l_i * alpha + gl.sum(p, 1)
     if FP8 and FP8_KEY_ORDER:  # V^T holds the keys in this order (common.vt_column); packed words (_p_operand)
         p_op = _p_operand_permuted(p if SOFTMAX_FMA else p * P_SCALE, p_layout)
     else:
@@ -406,12 +432,14 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 mbarrier.wait(k_ready.index(nst), ((g + 1) // STAGES) & 1)
                 s = warpgroup_mma(q_buf, k_smem.index(nst).permute((1, 0)),
                                   gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                if not KNOCK_PV:
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, FP8)
-                acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
+                if not KNOCK_PV:
+                    acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S(j+1); P.V(j) may still run
+                s = warpgroup_mma_wait(num_outstanding=0 if KNOCK_PV else 1, deps=(s,))  # S(j+1); P.V(j) may still run
                 mbarrier.arrive(k_empty.index(nst), count=1)
                 p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j + 1, n_full, kv_len, row_ok, delta, tok,
                                                        row_qk_scale, p_layout, dtype, CAUSAL, FP8)
@@ -428,7 +456,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
             st = g % STAGES
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, FP8)
-            acc = warpgroup_mma(_p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER), v_op, acc, is_async=True)
+            if not KNOCK_PV:
+                acc = warpgroup_mma(_p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER), v_op, acc, is_async=True)
             out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
         elif Q_TMA:
