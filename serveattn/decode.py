@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
@@ -206,6 +207,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           last_page_len=paged_kv_last_page_len_buffer)
         self._plan: Optional[DecodePlan] = None
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
+        self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
         self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[dict] = None
@@ -422,12 +424,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._prefill is not None:
             return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q,
                                      scale_k=scale_k, scale_v=scale_v, out=out, lse=lse, return_lse=return_lse)
-        policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
+        if scale_q is not None or scale_k is not None or scale_v is not None:  # with none given it passes
+            policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")
-        k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
-        _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
+        kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
+            else _pair_views(paged_kv_cache, self._kv_layout)
+        if kv is not None and _plain_run(plan, q, kv, out, self._kv_layout):
+            k, v, kv_strides = kv[:3]
+            if lse is not None:
+                policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
+            if k_scale is not None or v_scale is not None:
+                policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+        else:  # anything the fast checks do not pass: the full checks, which refuse or pass
+            k, v = kv[:2] if kv is not None else split_paged_cache(entry, paged_kv_cache, self._kv_layout)
+            _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
+            kv_strides = None
         if out is None:
             out = torch.empty_like(q, dtype=plan.o_dtype, memory_format=torch.contiguous_format)
         if lse is None and return_lse:
@@ -435,7 +448,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)
         if grid0:
             decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale,
-                                 self._done_count)
+                                 self._done_count, kv_strides)
         return (out, lse) if return_lse else out
 
     def forward(self, *args, **kwargs):
@@ -526,6 +539,64 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
     width = cap * num_qo_heads
     return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
                 part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))
+
+
+_CACHES_KEPT = 1024  # _cache_views' entries per wrapper (live caches only: a dead cache's entry goes with it)
+
+
+def _cache_views(memo: dict, cache, kv_layout: str):
+    """(k, v, their (page, slot, head) strides, dtype, device, shape, last stride) of a 5-D cache tensor, kept per
+    tensor: a server passes the same layer caches at every step, and unbind plus reading the views cost ~3 us a
+    run. An entry holds while the tensor's address, shape, strides, dtype and device are the ones its views were
+    made from; the views are of a detached alias, so they do not keep `cache` alive, and its entry is dropped when
+    it dies. None for what split_paged_cache refuses."""
+    key = id(cache)
+    held = memo.get(key)
+    if held is not None and held[0]() is cache and held[1] == (cache.data_ptr(), cache.shape, cache.stride(),
+                                                               cache.dtype, cache.device):
+        return held[2]
+    if cache.layout != torch.strided or cache.dim() != 5 or cache.shape[1] != 2:
+        return None
+    k, v = cache.detach().unbind(1)
+    s = k.stride()  # unbind's views share shape and strides
+    views = (k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), k.dtype, k.device, k.shape,
+             s[3])
+    if len(memo) >= _CACHES_KEPT:
+        memo.clear()
+    memo[key] = (weakref.ref(cache, lambda _, memo=memo, key=key: memo.pop(key, None)),
+                 (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device), views)
+    return views
+
+
+def _pair_views(cache, kv_layout: str):
+    """_cache_views' tuple for a (k, v) pair of plain tensors alike in dtype, device, shape and strides (read at
+    every call: there is nothing to split); None for any other pair, or anything else."""
+    if cache.__class__ not in (tuple, list) or len(cache) != 2:
+        return None
+    k, v = cache
+    if k.__class__ is not torch.Tensor or v.__class__ is not torch.Tensor or k.layout != torch.strided or \
+            v.layout != torch.strided:
+        return None
+    s, shape, dtype, device = k.stride(), k.shape, k.dtype, k.device
+    if len(s) != 4 or v.stride() != s or v.shape != shape or v.dtype != dtype or v.device != device:
+        return None
+    return k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), dtype, device, shape, s[3]
+
+
+def _plain_run(plan, q, kv, out, kv_layout) -> bool:
+    """Whether _check_run passes q, the K/V of _cache_views or _pair_views, and out (lse and the scales aside), in
+    the common case: True only where it would; False leaves it to _check_run."""
+    _, _, _, kv_dtype, kv_device, kv_shape, kv_last_stride = kv
+    device = plan.device
+    want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
+        (plan.num_kv_heads, plan.page_size, plan.head_dim)
+    shape = (plan.batch * plan.q_len, plan.num_qo_heads, plan.head_dim)
+    return (isinstance(q, torch.Tensor) and q.shape == shape and q.dtype == plan.q_dtype and q.device == device
+            and q.stride()[2] == 1
+            and kv_dtype == plan.kv_dtype and kv_device == device and kv_shape[1:] == want
+            and kv_last_stride == 1 and plan.max_page < kv_shape[0]
+            and (out is None or isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == plan.o_dtype
+                 and out.device == device and out.stride()[2] == 1))
 
 
 def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):

@@ -457,3 +457,29 @@ def test_pack_off_means_triton_path(fake_triton, monkeypatch):
     pack((1, 1), *args)
     pack((1, 1), *args)
     assert len(triton_calls) == 2
+
+
+def test_pack_key_is_launch_key_whatever_the_classes(fake_triton):
+    """A pack tests first for the classes it was made with; any other class at a free position still gets launch()'s
+    key part."""
+    jit_fn, _, _ = fake_triton
+    launches = fast._launches_of(jit_fn)
+    base = _args()
+    pack = fast.Pack(jit_fn, base, {}, fixed_positions=(1,))
+    rng = random.Random(5)
+    for _ in range(300):
+        args = [_random_arg(rng) for _ in range(10)] + [rng.choice([16, 32, True])]
+        args[1] = base[1]
+        assert pack.key_function(*args) == fast.arguments_key(launches, args, {})[1]
+
+
+def test_packs_of_one_layout_share_their_generated_code(fake_triton):
+    """A plan's Packs are made at its first run, every step: the key function is generated (exec, ~1 ms) once per
+    layout, and each pack binds its own objects."""
+    jit_fn, _, _ = fake_triton
+    first, second = _args(), _args()
+    packs = [fast.Pack(jit_fn, args, {"MODE": 1}, fixed_positions=(1, 2)) for args in (first, second)]
+    assert len(fast._launches_of(jit_fn).pack_makers) == 1
+    assert packs[0].key_function.__code__ is packs[1].key_function.__code__
+    assert packs[0].key_function(*first) is not None and packs[0].key_function(*second) is None
+    assert packs[1].key_function(*second) is not None

@@ -173,15 +173,24 @@ def merge_kernel(
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
-           done_count=None):
+           done_count=None, kv_stride_args=None):
     """Decode launch, and the merge launch when the plan splits any request, unless done_count (int32 zeros, one
-    per request and KV head, left zero by every launch) lets the decode kernel fold each split request itself."""
-    ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
-    vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
-    sk = kv_strides(k, kv_layout, plan.paged)
-    sv = kv_strides(v, kv_layout, plan.paged)
+    per request and KV head, left zero by every launch) lets the decode kernel fold each split request itself.
+    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
+    if k_scale is None and v_scale is None:
+        ks = vs = 1.0
+        ks_ptr = vs_ptr = plan.work
+        ks_dev = vs_dev = False
+    else:
+        ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
+        vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
+    if kv_stride_args is None:
+        sk = kv_strides(k, kv_layout, plan.paged)
+        sv = kv_strides(v, kv_layout, plan.paged)
+    else:
+        sk = sv = kv_stride_args
     lse_arg = lse if lse is not None else out
-    slb, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    slb, slh = lse.stride()[:2] if lse is not None else (0, 0)
     fused = done_count is not None and bool(merge_rows)
     # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
     kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv)
@@ -189,17 +198,20 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     if memo is None:
         memo = plan.launch_memo[kind] = _launch_memo(plan, *kind)
     plan_args, kwargs, merge_kwargs, packs = memo
+    sq, so = q.stride(), out.stride()
     args = (q, k, v, out, lse_arg, plan.part_o, plan.part_lse,
-            q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slb, slh,
+            sq[0], sq[1], *sk, *sv, so[0], so[1], slb, slh,
             *plan_args, done_count if fused else plan.work,
             plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, vs, ks_ptr, vs_ptr)
     if not packs:  # the plan's own arguments keyed once (launch.Pack): made at the first call of this kind
         packs.append(Pack(decode_kernel, args, kwargs, _fixed_positions(len(plan_args), ks_dev, vs_dev)))
-        packs.append(Pack(merge_kernel, _merge_args(plan, out, lse_arg, slb, slh), merge_kwargs, (0, 1, 4, 5)))
     # the grid's second axis holds at most 65535 programs; they stride over any longer work list
     packs[0]((plan.num_kv_heads, min(grid0, 65535)), *args)
     if merge_rows and not fused:
-        packs[1]((merge_rows, plan.num_kv_heads), *_merge_args(plan, out, lse_arg, slb, slh))
+        merge_args = _merge_args(plan, out, lse_arg, slb, slh)
+        if len(packs) == 1:  # made only where a merge launches (a plan is made every step: a Pack is ~10 us)
+            packs.append(Pack(merge_kernel, merge_args, merge_kwargs, (0, 1, 4, 5)))
+        packs[1]((merge_rows, plan.num_kv_heads), *merge_args)
 
 
 def _merge_args(plan, out, lse_arg, slb, slh):

@@ -51,15 +51,17 @@ class _KernelLaunches:
     def __init__(self, jit_fn):
         self.params = jit_fn.params
         self.key_functions = {}
+        self.pack_makers = {}  # Pack's generated key functions, one per layout (_pack_key_maker)
         # (device, debug, instrumentation mode, keyword arguments, positional key) ->
         # (launcher, CUfunction, packed metadata, trailing parameter values, CompiledKernel, globals read)
         self.entries = {}
 
 
-def _param_key_expression(name: str, param) -> str:
+def _param_key_expression(name: str, param, hint=None) -> str:
     """Python expression of one parameter's key part. Parts of different argument kinds never compare equal: a
     tensor gives a torch.dtype (16-byte aligned, or alignment not specialized) or a 1-tuple, an i32 int an int in
-    -1..1 (or just 0), the rest strings, None or tuples of 2 or more."""
+    -1..1 (or just 0), the rest strings, None or tuples of 2 or more. hint: the class this position is expected to
+    hold (Pack's), tested first; any other class still gets the same part."""
     if param.is_constexpr:
         return name  # Triton compiles one kernel per value (and, like Triton, takes True == 1)
     specialize = not param.do_not_specialize
@@ -68,8 +70,15 @@ def _param_key_expression(name: str, param) -> str:
     # an i32 int: 1 (a constant to Triton), divisible by 16 (-1) or neither (0); unspecialized: its type only
     small = f"(({name} == 1) - (not {name} & 15))" if specialize else "0"
     integer = f"({small} if -0x80000000 <= {name} <= 0x7fffffff else _wide_int_key({name}, {specialize}))"
-    return (f"({tensor} if {name}.__class__ is _Tensor else {integer} if {name}.__class__ is int "
-            f"else _other_key({name}))")
+    generic = (f"({tensor} if {name}.__class__ is _Tensor else {integer} if {name}.__class__ is int "
+               f"else 'fp32' if {name}.__class__ is float else _other_key({name}))")
+    if hint is torch.Tensor:
+        return f"({tensor} if {name}.__class__ is _Tensor else {generic})"
+    if hint is int:
+        return f"({small} if {name}.__class__ is int and -0x80000000 <= {name} <= 0x7fffffff else {generic})"
+    if hint is float:
+        return f"('fp32' if {name}.__class__ is float else {generic})"
+    return generic
 
 
 def _wide_int_key(value: int, specialize: bool):
@@ -94,20 +103,48 @@ def _other_key(value):
     raise UnkeyedArgument(cls.__name__)
 
 
-def _key_function(launches: _KernelLaunches, num_args: int, fixed_parts=None):
+_KEY_GLOBALS = {"_Tensor": torch.Tensor, "_other_key": _other_key, "_wide_int_key": _wide_int_key}
+
+
+def _key_function(launches: _KernelLaunches, num_args: int):
     """The positional arguments' key as one generated function (an expression per parameter: no call per
-    argument, no loop). fixed_parts {position: key part}: those positions' parts as constants (Pack)."""
+    argument, no loop)."""
     if num_args > len(launches.params):
         raise UnkeyedArgument("more positional arguments than parameters")
-    fixed_parts = fixed_parts or {}
     names = [f"a{i}" for i in range(num_args)]
-    parts = [f"_fixed[{i}]" if i in fixed_parts else _param_key_expression(n, p)
-             for i, (n, p) in enumerate(zip(names, launches.params))]
+    parts = [_param_key_expression(n, p) for n, p in zip(names, launches.params)]
     source = f"def positional_key({', '.join(names)}):\n    return ({''.join(p + ', ' for p in parts)})\n"
-    namespace = {"_Tensor": torch.Tensor, "_other_key": _other_key, "_wide_int_key": _wide_int_key,
-                 "_fixed": fixed_parts}
+    namespace = dict(_KEY_GLOBALS)
     exec(source, namespace)
     return namespace["positional_key"]
+
+
+def _pack_key_maker(launches: _KernelLaunches, num_args: int, fixed_positions, hints):
+    """make(the objects at the fixed positions) -> Pack's key function: None when a fixed position holds another
+    object than the pack's, else the key launch() would make, the fixed positions' parts made once, in make.
+    Generated (exec costs ~1 ms) once per JIT function and layout (the positions, the classes expected at the
+    others), not per Pack: a plan's Packs are made at its first run, and a server plans every step."""
+    layout = (num_args, fixed_positions, hints)
+    maker = launches.pack_makers.get(layout)
+    if maker is not None:
+        return maker
+    if num_args > len(launches.params):
+        raise UnkeyedArgument("more positional arguments than parameters")
+    names = [f"a{i}" for i in range(num_args)]
+    parts = [f"p{i}" if i in fixed_positions else _param_key_expression(n, p, h)
+             for i, (n, p, h) in enumerate(zip(names, launches.params, hints))]
+    moved = " or ".join(f"a{i} is not f{i}" for i in fixed_positions) or "False"
+    source = (f"def make({', '.join(f'f{i}' for i in fixed_positions)}):\n"
+              + "".join(f"    p{i} = {_param_key_expression(f'f{i}', launches.params[i])}\n" for i in fixed_positions)
+              + f"    def pack_key({', '.join(names)}):\n"
+              f"        if {moved}:\n"
+              f"            return None\n"
+              f"        return ({''.join(p + ', ' for p in parts)})\n"
+              f"    return pack_key\n")
+    namespace = dict(_KEY_GLOBALS)
+    exec(source, namespace)
+    maker = launches.pack_makers[layout] = namespace["make"]
+    return maker
 
 
 def _launches_of(jit_fn):
@@ -278,8 +315,9 @@ class Pack:
         if launches is None:
             return
         try:
-            parts = _key_function(launches, len(args))(*args)
-            self.key_function = _key_function(launches, len(args), {i: parts[i] for i in fixed_positions})
+            positions = tuple(sorted(set(fixed_positions)))
+            make = _pack_key_maker(launches, len(args), positions, tuple(map(type, args)))
+            self.key_function = make(*[args[i] for i in positions])
             self.kwargs_key = tuple(self.kwargs.items())
             hash(self.kwargs_key)
         except Exception:  # noqa: BLE001 - an argument we cannot key: every call takes launch()
@@ -289,11 +327,10 @@ class Pack:
         launches = _runnable(self.jit_fn, grid) if self.key_function is not None else None
         if launches is None or len(args) != self.num_args:
             return launch(self.jit_fn, grid, *args, **self.kwargs)
-        for i, obj in self.fixed:
-            if args[i] is not obj:
-                return launch(self.jit_fn, grid, *args, **self.kwargs)
         try:
-            arg_key = (self.kwargs_key, self.key_function(*args))
+            parts = self.key_function(*args)  # None: another object at a fixed position
         except Exception:  # noqa: BLE001
             return self.jit_fn[grid](*args, **self.kwargs)
-        return _launch_keyed(self.jit_fn, launches, grid, args, self.kwargs, arg_key)
+        if parts is None:
+            return launch(self.jit_fn, grid, *args, **self.kwargs)
+        return _launch_keyed(self.jit_fn, launches, grid, args, self.kwargs, (self.kwargs_key, parts))
