@@ -28,8 +28,8 @@ os.environ["TRITON_INTERPRET"] = "0" if ARGS.fast_launch else os.environ.get("TR
 import torch  # noqa: E402
 
 import serveattn  # noqa: E402
-from serveattn import backend  # noqa: E402
 from serveattn.kernels import decode as decode_kernels  # noqa: E402
+from probe_run_overhead_fakes import fast_launch_to_nothing  # noqa: E402  (scripts/, beside this file)
 from serveattn.kernels import launch as fast  # noqa: E402
 
 
@@ -38,31 +38,9 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-class _FakeDriver:
-    class active:
-        get_current_device = staticmethod(lambda: 0)
-        get_current_stream = staticmethod(lambda device: 0)
-
-
-class _CompiledStandIn:
-    """What JITFunction.run returns once compiled, with a launcher that does nothing."""
-    function = None
-    packed_metadata = ()
-
-    def run(self, *args):
-        pass
-
-
-def _fast_launch_to_nothing():
-    backend.interpreting = lambda: True  # backend="triton" on CPU tensors
-    fast._driver, fast.ENABLED = _FakeDriver, True
-    for jit_fn in (decode_kernels.decode_kernel, decode_kernels.merge_kernel):
-        jit_fn.run = lambda *args, grid, warmup, **kwargs: _CompiledStandIn()
-
-
 def main():
     if ARGS.fast_launch:
-        _fast_launch_to_nothing()
+        fast_launch_to_nothing(decode_kernels.decode_kernel, decode_kernels.merge_kernel)
     else:
         decode_kernels.decode_kernel = decode_kernels.merge_kernel = _NoLaunch()
     batch, pages = ARGS.batch, ARGS.kv // 16

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import warnings
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
@@ -24,6 +23,7 @@ from . import routing
 from . import policy, staging
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
+from .prefill import _cache_views, _pair_views
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -539,48 +539,6 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
     width = cap * num_qo_heads
     return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
                 part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))
-
-
-_CACHES_KEPT = 1024  # _cache_views' entries per wrapper (live caches only: a dead cache's entry goes with it)
-
-
-def _cache_views(memo: dict, cache, kv_layout: str):
-    """(k, v, their (page, slot, head) strides, dtype, device, shape, last stride) of a 5-D cache tensor, kept per
-    tensor: a server passes the same layer caches at every step, and unbind plus reading the views cost ~3 us a
-    run. An entry holds while the tensor's address, shape, strides, dtype and device are the ones its views were
-    made from; the views are of a detached alias, so they do not keep `cache` alive, and its entry is dropped when
-    it dies. None for what split_paged_cache refuses."""
-    key = id(cache)
-    held = memo.get(key)
-    if held is not None and held[0]() is cache and held[1] == (cache.data_ptr(), cache.shape, cache.stride(),
-                                                               cache.dtype, cache.device):
-        return held[2]
-    if cache.layout != torch.strided or cache.dim() != 5 or cache.shape[1] != 2:
-        return None
-    k, v = cache.detach().unbind(1)
-    s = k.stride()  # unbind's views share shape and strides
-    views = (k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), k.dtype, k.device, k.shape,
-             s[3])
-    if len(memo) >= _CACHES_KEPT:
-        memo.clear()
-    memo[key] = (weakref.ref(cache, lambda _, memo=memo, key=key: memo.pop(key, None)),
-                 (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device), views)
-    return views
-
-
-def _pair_views(cache, kv_layout: str):
-    """_cache_views' tuple for a (k, v) pair of plain tensors alike in dtype, device, shape and strides (read at
-    every call: there is nothing to split); None for any other pair, or anything else."""
-    if cache.__class__ not in (tuple, list) or len(cache) != 2:
-        return None
-    k, v = cache
-    if k.__class__ is not torch.Tensor or v.__class__ is not torch.Tensor or k.layout != torch.strided or \
-            v.layout != torch.strided:
-        return None
-    s, shape, dtype, device = k.stride(), k.shape, k.dtype, k.device
-    if len(s) != 4 or v.stride() != s or v.shape != shape or v.dtype != dtype or v.device != device:
-        return None
-    return k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), dtype, device, shape, s[3]
 
 
 def _plain_run(plan, q, kv, out, kv_layout) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -94,6 +95,7 @@ class Plan:
     o_dtype: torch.dtype
     batch: int
     total_q: int
+    total_kv: int  # kv_indptr's last entry: a ragged plan's K/V rows, checked at run()
     tiles: TileConfig
     num_work_host: int
     max_page: int  # the largest page index the table uses (-1 if none), checked against the cache at run()
@@ -124,6 +126,8 @@ class Plan:
     # the paged cache copied into ragged rows for the warp-specialized kernel (kernels/attention.Gathered: page ->
     # request, token indptr, the ragged view of this plan, whether it pays), made at the first run that asks
     gathered: Optional[tuple] = None
+    # launch arguments made once per plan and kind of call (kernels: launch.Pack); not carried over by replace()
+    launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def static_signature(self):
         """What a captured CUDA graph bakes in: a re-plan under use_cuda_graph must keep all of it."""
@@ -263,8 +267,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
         rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=batch, total_q=int(qo_np[-1]),
-        tiles=tiles, num_work_host=0, max_page=max_page, qo_indptr_host=torch.from_numpy(qo_np),
-        kv_indptr_host=torch.from_numpy(kv_np), kv_indices_host=idx_host, kv_lens_host=torch.from_numpy(kv_lens),
+        total_kv=int(kv_np[-1]), tiles=tiles, num_work_host=0, max_page=max_page,
+        qo_indptr_host=torch.from_numpy(qo_np), kv_indptr_host=torch.from_numpy(kv_np), kv_indices_host=idx_host,
+        kv_lens_host=torch.from_numpy(kv_lens),
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
@@ -325,6 +330,81 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
         k, v = cache.unbind(1)  # both views in one call (every run pays this)
     policy.check_same_kv_dtype(entry, k, v)
     return k, v
+
+
+_CACHES_KEPT = 1024  # _cache_views' entries per wrapper (live caches only: a dead cache's entry goes with it)
+
+
+def _cache_views(memo: dict, cache, kv_layout: str):
+    """(k, v, their (page, slot, head) strides, dtype, device, shape, last stride) of a 5-D cache tensor, kept per
+    tensor: a server passes the same layer caches at every step, and unbind plus reading the views cost ~3 us a
+    run. An entry holds while the tensor's address, shape, strides, dtype and device are the ones its views were
+    made from; the views are of a detached alias, so they do not keep `cache` alive, and its entry is dropped when
+    it dies. None for what split_paged_cache refuses."""
+    key = id(cache)
+    held = memo.get(key)
+    if held is not None and held[0]() is cache and held[1] == (cache.data_ptr(), cache.shape, cache.stride(),
+                                                               cache.dtype, cache.device):
+        return held[2]
+    if cache.layout != torch.strided or cache.dim() != 5 or cache.shape[1] != 2:
+        return None
+    k, v = cache.detach().unbind(1)
+    s = k.stride()  # unbind's views share shape and strides
+    views = (k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), k.dtype, k.device, k.shape,
+             s[3])
+    if len(memo) >= _CACHES_KEPT:
+        memo.clear()
+    memo[key] = (weakref.ref(cache, lambda _, memo=memo, key=key: memo.pop(key, None)),
+                 (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, cache.device), views)
+    return views
+
+
+def _pair_views(cache, kv_layout: str):
+    """_cache_views' tuple for a (k, v) pair of plain tensors alike in dtype, device, shape and strides (read at
+    every call: there is nothing to split); None for any other pair, or anything else."""
+    if cache.__class__ not in (tuple, list) or len(cache) != 2:
+        return None
+    k, v = cache
+    if k.__class__ is not torch.Tensor or v.__class__ is not torch.Tensor or k.layout != torch.strided or \
+            v.layout != torch.strided:
+        return None
+    s, shape, dtype, device = k.stride(), k.shape, k.dtype, k.device
+    if len(s) != 4 or v.stride() != s or v.shape != shape or v.dtype != dtype or v.device != device:
+        return None
+    return k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), dtype, device, shape, s[3]
+
+
+def _plain_run(plan, q, kv, out, kv_layout) -> bool:
+    """Whether the paged run()'s checks (the cache's shape and pages, then _check_run) pass q, the K/V of
+    _cache_views or _pair_views, and out (lse and the scales aside), in the common case: True only where they
+    would; False leaves it to them."""
+    _, _, _, kv_dtype, kv_device, kv_shape, kv_last_stride = kv
+    device = plan.device
+    want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
+        (plan.num_kv_heads, plan.page_size, plan.head_dim)
+    shape = (plan.total_q, plan.num_qo_heads, plan.head_dim)
+    return (q.__class__ is torch.Tensor and q.shape == shape and q.dtype == plan.q_dtype and q.device == device
+            and q.stride()[2] == 1
+            and kv_dtype == plan.kv_dtype and kv_device == device and kv_shape[1:] == want
+            and kv_last_stride == 1 and plan.max_page < kv_shape[0]
+            and (out is None or out.__class__ is torch.Tensor and out.shape == shape and out.dtype == plan.o_dtype
+                 and out.device == device and out.stride()[2] == 1))
+
+
+def _plain_ragged_run(plan, q, k, v, out, kv_layout) -> bool:
+    """The same for the ragged run()'s checks (K/V's dtypes and shapes, then _check_run)."""
+    device = plan.device
+    want = (plan.total_kv, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
+        (plan.num_kv_heads, plan.total_kv, plan.head_dim)
+    shape = (plan.total_q, plan.num_qo_heads, plan.head_dim)
+    return (q.__class__ is torch.Tensor and q.shape == shape and q.dtype == plan.q_dtype and q.device == device
+            and q.stride()[2] == 1
+            and k.__class__ is torch.Tensor and k.shape == want and k.dtype == plan.kv_dtype and k.device == device
+            and k.stride()[2] == 1
+            and v.__class__ is torch.Tensor and v.shape == want and v.dtype == plan.kv_dtype and v.device == device
+            and v.stride()[2] == 1
+            and (out is None or out.__class__ is torch.Tensor and out.shape == shape and out.dtype == plan.o_dtype
+                 and out.device == device and out.stride()[2] == 1))
 
 
 _ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr",
@@ -483,13 +563,25 @@ class _PrefillWrapper:
 
     def _descales(self, entry, scale_q, scale_k, scale_v, k_scale, v_scale):
         plan = self._plan
+        if scale_q is None and scale_k is None and scale_v is None and plan is not None and \
+                plan.q_dtype not in policy.FP8_DTYPES:
+            return None  # what check_descales returns for a 16-bit query with no descales
         if plan is None:
             return policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         return policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale, plan.q_dtype, plan.device,
                                      plan.num_qo_heads, plan.num_kv_heads)
 
-    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, descales=None):
-        self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+    def _run(self, q, k, v, out, lse, return_lse, k_scale, v_scale, descales=None, checked=False,
+             kv_stride_args=None):
+        """checked: the plain checks passed q, K/V and out (_plain_run); lse and the scales are checked here."""
+        if not checked:
+            self._check_run(q, k, v, out, lse, return_lse, k_scale, v_scale)
+        else:
+            if lse is not None:
+                policy.check_tensor(self._entry + ".run", "lse", lse, (self._plan.total_q, self._plan.num_qo_heads),
+                                    torch.float32, self._plan.device)
+            if k_scale is not None or v_scale is not None:
+                policy.check_scales(self._entry + ".run", self._plan.device, k_scale=k_scale, v_scale=v_scale)
         plan = self._plan
         if plan.backend == "cudnn":
             try:
@@ -508,7 +600,7 @@ class _PrefillWrapper:
             grid0 = self._grid0(plan)
             if grid0:
                 attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales,
-                                        gather_ok=not self._use_cuda_graph)
+                                        gather_ok=not self._use_cuda_graph, kv_stride_args=kv_stride_args)
         return (out, lse) if return_lse else out
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:
@@ -545,6 +637,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=paged_kv_indptr_buf,
                                  kv_indices=paged_kv_indices_buf, last_page_len=paged_kv_last_page_len_buf,
                                  mask=custom_mask_buf, mask_indptr=mask_indptr_buf)
+        self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
@@ -578,8 +671,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             out=None, lse=None, return_lse=False):
         entry = self._entry + ".run"
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
-        k, v = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
         plan = self._plan
+        kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
+            else _pair_views(paged_kv_cache, self._kv_layout)
+        if plan is not None and kv is not None and _plain_run(plan, q, kv, out, self._kv_layout):
+            return self._run(q, kv[0], kv[1], out, lse, return_lse, k_scale, v_scale, descales, checked=True,
+                             kv_stride_args=kv[2])
+        # anything the plain checks do not pass: the full checks, which refuse or pass
+        k, v = kv[:2] if kv is not None else split_paged_cache(entry, paged_kv_cache, self._kv_layout)
         if plan is not None:
             want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
                 (plan.num_kv_heads, plan.page_size, plan.head_dim)
@@ -626,10 +725,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             lse=None, return_lse=False):
         entry = self._entry + ".run"
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
-        policy.check_same_kv_dtype(entry, k, v)
         plan = self._plan
+        if plan is not None and _plain_ragged_run(plan, q, k, v, out, self._kv_layout):
+            return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales, checked=True)
+        policy.check_same_kv_dtype(entry, k, v)
         if plan is not None:
-            total_kv = int(plan.kv_indptr_host[-1])
+            total_kv = plan.total_kv
             want = (total_kv, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
                 (plan.num_kv_heads, total_kv, plan.head_dim)
             for name, t in (("k", k), ("v", v)):

@@ -408,7 +408,8 @@ def _gathered_plan(plan) -> Gathered:
         np.cumsum(kv, out=tok[1:])
         dev = plan.device
         tok_indptr = torch.from_numpy(tok).to(dev)
-        ragged = replace(plan, paged=False, kv_indptr=tok_indptr, kv_indices=None, last_page_len=None, page_size=1)
+        ragged = replace(plan, paged=False, kv_indptr=tok_indptr, kv_indices=None, last_page_len=None, page_size=1,
+                         total_kv=int(tok[-1]))
         # attention reads each key once per query tile: (query rows x keys) per gathered key, the copy's cost
         # (a read and a write of each key) against GATHER_GAIN of the attention's
         qo = np.diff(plan.qo_indptr_host.numpy())
@@ -459,19 +460,28 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
-           gather_ok: bool = False):
+           gather_ok: bool = False, kv_stride_args=None):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
 
     k_scale folds into the logit scale and v_scale into the output, inside the kernel; each is a float or
     a one-element float32 device tensor (read by the kernel). descales: (scale_q, scale_k, scale_v) float32
     device tensors of one element or one per head, for an fp8 query over an fp8 cache. gather_ok: an fp8 cache
-    may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs)."""
-    ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
-    vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
+    may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs).
+    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
+    if k_scale is None and v_scale is None:
+        ks = vs = 1.0
+        ks_ptr = vs_ptr = plan.work
+        ks_dev = vs_dev = False
+    else:
+        ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
+        vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
     fp8 = descales is not None
     dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
-    sk = kv_strides(k, kv_layout, plan.paged)
-    sv = kv_strides(v, kv_layout, plan.paged)
+    if kv_stride_args is None:
+        sk = kv_strides(k, kv_layout, plan.paged)
+        sv = kv_strides(v, kv_layout, plan.paged)
+    else:
+        sk = sv = kv_stride_args
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles

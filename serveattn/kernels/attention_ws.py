@@ -30,6 +30,7 @@ widened into temporary ragged rows (kernels/gather.py), exactly, and the ragged 
 """
 import functools
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..policy import FP8_DTYPES, cuda_properties
 from .common import FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA
-from .launch import launch as launch_jit
+from .launch import Pack
 from .sizes import cdiv
 
 BLOCK_M = gl.constexpr(128)  # rows of a work item (the plan's tiles must match)
@@ -643,7 +644,7 @@ def _row_map(t: torch.Tensor, strides, num_kv_heads: int, head_dim: int):
     return slot_stride, page_stride // slot_stride, head_rows, head_cols
 
 
-_VALIDATED = set()  # (dtype, strides, block shape) a TensorDescriptor has validated
+_VALIDATED = {}  # (dtype, strides, block shape) a TensorDescriptor has validated -> its shared-memory layout
 
 
 def _tma_descriptor(base: torch.Tensor, shape: list, strides: list, block_shape: list) -> TensorDescriptor:
@@ -651,13 +652,14 @@ def _tma_descriptor(base: torch.Tensor, shape: list, strides: list, block_shape:
     strides, block shape): what they check depends on nothing else but the base's alignment and the shape's
     positivity, checked here on every call (the callers have checked both already)."""
     key = (base.dtype, tuple(strides), tuple(block_shape))
-    if key not in _VALIDATED or base.data_ptr() % 16 or min(shape) <= 0:
-        desc = TensorDescriptor(base, shape, strides, block_shape, _smem_layout(tuple(block_shape), base.dtype))
-        _VALIDATED.add(key)
+    layout = _VALIDATED.get(key)
+    if layout is None or base.data_ptr() % 16 or min(shape) <= 0:
+        desc = TensorDescriptor(base, shape, strides, block_shape, _smem_layout(key[2], base.dtype))
+        _VALIDATED[key] = desc.layout
         return desc
     desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape,
-                         layout=_smem_layout(tuple(block_shape), base.dtype), padding="zero")
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout,
+                         padding="zero")
     return desc
 
 
@@ -665,6 +667,31 @@ def _descriptor(t: torch.Tensor, slot_stride: int, box: int, head_dim: int):
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     rows = cdiv(extent, slot_stride)  # host integers: triton.cdiv is a jit function, microseconds a call
     return _tma_descriptor(t, [rows, slot_stride], [slot_stride, 1], [box, head_dim]), rows
+
+
+_KEPT = {}  # _kept_descriptor's memo: id(cache) -> (weakref, what its entries follow from, {layout: made})
+_KEPT_MAX = 1024  # live caches only: a dead cache's entry goes with it
+
+
+def _kept_descriptor(t: torch.Tensor, strides, num_kv_heads: int, box: int, head_dim: int):
+    """(_row_map, then its _descriptor and rows; (None, None, None) where the map is None) of a paged K or V cache,
+    kept per cache tensor (the same view object at every step of a server, through prefill._cache_views): ~3 us a
+    run. An entry holds while the tensor's address, shape, strides, dtype and device are the ones it was made from; its
+    descriptors are of a detached alias, so they do not keep `t` alive, and the entry goes when `t` dies."""
+    key, what = id(t), (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    held = _KEPT.get(key)
+    if held is None or held[0]() is not t or held[1] != what:
+        if len(_KEPT) >= _KEPT_MAX:
+            _KEPT.clear()
+        held = _KEPT[key] = (weakref.ref(t, lambda _, key=key: _KEPT.pop(key, None)), what, {})
+    layout = (strides, num_kv_heads, box, head_dim)
+    made = held[2].get(layout)
+    if made is None:
+        row_map = _row_map(t, strides, num_kv_heads, head_dim)
+        made = (None, None, None) if row_map is None else \
+            (row_map, *_descriptor(t.detach(), row_map[0], box, head_dim))
+        held[2][layout] = made
+    return made
 
 
 def takes_fp8(device: torch.device, head_dim: int, page_size, rows: Optional[int]) -> bool:
@@ -725,20 +752,29 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     fp8 = descales is not None
     if not plan.paged:  # ragged: a token is a row (kv_strides gives (token, 0, head))
         sk, sv = (sk[0], sk[0], sk[2]), (sv[0], sv[0], sv[2])
-    k_map = _row_map(k, sk, plan.num_kv_heads, plan.head_dim)
-    # V^T as a [kv heads * head dim, columns] matrix: head h's rows start at h * head dim
-    v_map = (vt.shape[-1], 0, plan.head_dim, 0) if fp8 else _row_map(v, sv, plan.num_kv_heads, plan.head_dim)
+    box = min(plan.page_size, BLOCK_N.value) if plan.paged else BLOCK_N.value
+    if plan.paged:  # a paged cache's views are the same objects at every step (prefill._cache_views)
+        k_map, k_desc, k_rows = _kept_descriptor(k, sk, plan.num_kv_heads, box, plan.head_dim)
+    else:
+        k_map = _row_map(k, sk, plan.num_kv_heads, plan.head_dim)
+    if fp8:  # V^T as a [kv heads * head dim, columns] matrix: head h's rows start at h * head dim
+        v_map = (vt.shape[-1], 0, plan.head_dim, 0)
+    elif plan.paged:
+        v_map, v_desc, v_rows = _kept_descriptor(v, sv, plan.num_kv_heads, box, plan.head_dim)
+    else:
+        v_map = _row_map(v, sv, plan.num_kv_heads, plan.head_dim)
     if k_map is None or v_map is None:
         return False
-    box = min(plan.page_size, BLOCK_N.value) if plan.paged else BLOCK_N.value
-    k_desc, k_rows = _descriptor(k, k_map[0], box, plan.head_dim)
+    if not plan.paged:
+        k_desc, k_rows = _descriptor(k, k_map[0], box, plan.head_dim)
     if fp8:
         v_rows = plan.num_kv_heads * plan.head_dim
         v_desc = _tma_descriptor(vt, [v_rows, vt.shape[-1]], [vt.shape[-1], 1], [plan.head_dim, BLOCK_N.value])
         dq, dk, dv = descales
         descale_args = (plan.kv_tok_indptr, dq, dk, dv, int(dq.numel() > 1), int(dk.numel() > 1))
     else:
-        v_desc, v_rows = _descriptor(v, v_map[0], box, plan.head_dim)
+        if not plan.paged:
+            v_desc, v_rows = _descriptor(v, v_map[0], box, plan.head_dim)
         descale_args = (plan.work,) * 4 + (0, 0)
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
@@ -748,14 +784,22 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     programs = grid0 * plan.num_kv_heads
     if os.environ.get("SERVEATTN_PREFILL_WS_PERSISTENT", "1") == "1":
         programs = min(programs, _num_sms(q.device))
-    launch_jit(prefill_ws_kernel, (programs, 1),
-        q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
-        plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
-        plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
-        k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
-        qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args,
-        GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
-        RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8, Q_TMA=q_desc is not None,
-        KV_HEADS=plan.num_kv_heads, num_warps=4, maxnreg=MAX_REGS, **LAUNCH_OPTIONS)
+    kind = (lse is not None, ks_dev, vs_dev, fp8, q_desc is not None)
+    pack = plan.launch_memo.get(kind)
+    args = (q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
+            plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
+            plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
+            k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
+            qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args)
+    if pack is None:  # the plan's own arguments keyed once per plan and kind (launch.Pack)
+        kwargs = dict(GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
+                      RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8,
+                      Q_TMA=q_desc is not None, KV_HEADS=plan.num_kv_heads, num_warps=4, maxnreg=MAX_REGS,
+                      **LAUNCH_OPTIONS)
+        # the schedule arrays, the scale placeholders and (fp8) the column indptr, or the descale placeholders
+        fixed = (12, 13, 14, 15, 16, 17) + ((26,) if not ks_dev else ()) + ((27,) if not vs_dev else ()) + \
+            ((28,) if fp8 else (28, 29, 30, 31))
+        pack = plan.launch_memo[kind] = Pack(prefill_ws_kernel, args, kwargs, fixed)
+    pack((programs, 1), *args)
     return True
