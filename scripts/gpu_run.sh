@@ -52,8 +52,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill" >&2; exit 2 ;;
   esac
 done
 
@@ -138,7 +138,12 @@ step_fi_setup() {  # FlashInfer 0.7.2 as a peer: .fi from ../shared/tools/flashi
 }
 
 step_probe_host() {  # decode plan()/run() host us (and FlashInfer's, after fi-setup), the bare launch, staging
-  timeout "${PROBE_HOST_TIMEOUT:-90}" python3 scripts/probe_host.py 2>&1 | tee "$OUT/probe-host.txt"
+  timeout "${PROBE_HOST_TIMEOUT:-90}" python3 scripts/probe_host.py ${PROBE_HOST_ARGS:-} 2>&1 | tee "$OUT/probe-host.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_host_prefill() {  # prefill run() host us against its GPU time and the bare launch (PROBE_HOST_ARGS: --profile)
+  timeout "${PROBE_HOST_TIMEOUT:-120}" python3 scripts/probe_host.py --prefill ${PROBE_HOST_ARGS:-} 2>&1 | tee "$OUT/probe-host-prefill.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -352,6 +357,7 @@ for s in "${STEPS[@]}"; do
     fi-setup) step_fi_setup ;;
     fi-warm) step_fi_warm ;;
     probe-host) step_probe_host ;;
+    probe-host-prefill) step_probe_host_prefill ;;
     probe-fp8-key-order) step_probe_fp8_key_order ;;
     fi-save-cache) step_fi_save_cache ;;
   esac

@@ -64,7 +64,7 @@ def profile(label, fn, n=300):
     prof.disable()
     torch.cuda.synchronize()
     print(f"--- {label}: cProfile over {n} calls, by own time")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def _decode_inputs(batch: int, kv: int, dev: str):
@@ -149,6 +149,10 @@ def main():
                     profile("decode plan, batch 256, bandwidth route",
                             lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
                     profile("decode run, batch 256, bandwidth route", lambda: w.run(q, cache, out=out))
+            if tc and args.profile and batch == 256:
+                profile("decode plan, batch 256, tensor-core route",
+                        lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
+                profile("decode run, batch 256, tensor-core route", lambda: w.run(q, cache, out=out))
     t0 = time.perf_counter()
     x = torch.empty(1, device=dev)
     torch.cuda.synchronize()
