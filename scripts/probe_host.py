@@ -204,6 +204,15 @@ def prefill_host(with_profile: bool):
         gpu = triton.testing.do_bench(call, warmup=25, rep=100) * 1e3
         print(f"prefill {kind} 1x{s}: run() host {host:.1f} us a call, GPU (do_bench) {gpu:.1f} us; bare "
               f"attention.launch {bare:.1f} us")
+        fi = _flashinfer() if kind == "paged" else None
+        if fi is not None:  # the peer's run() on the same host and inputs (fa3: the bench's JIT cache holds it)
+            fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD", backend="fa3")
+            fw.plan(qo, torch.tensor([0, pages], dtype=torch.int32, device=dev), indices,
+                    torch.tensor([16], dtype=torch.int32, device=dev), 32, 8, 128, 16, causal=True,
+                    q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            fi_call = lambda: fw.run(q, cache)  # noqa: E731
+            print(f"    FlashInfer {fi.__version__} fa3, same call: run() host {per_call_us(fi_call):.1f} us, GPU "
+                  f"{triton.testing.do_bench(fi_call, warmup=25, rep=100) * 1e3:.1f} us")
         if with_profile and s == 512:
             profile(f"prefill {kind} 1x{s} run()", call)
 

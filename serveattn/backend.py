@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from . import policy
+from . import knobs, policy
 
 log = logging.getLogger("serveattn")
 _ALIASES = {"fa2": "triton", "fa3": "triton"}
@@ -15,7 +14,7 @@ _logged_aliases: set = set()
 
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return knobs.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve(entry: str, backend: str, device: torch.device) -> str:

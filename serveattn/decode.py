@@ -20,7 +20,7 @@ import torch
 
 from . import backend as backends
 from . import routing
-from . import policy, staging
+from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
 from .prefill import _cache_views, _pair_views
@@ -37,7 +37,7 @@ FUSED_MERGE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1") == "1"
 def _programs_per_sm() -> int:
     """Split-KV aims at this many KV-head programs per SM; SERVEATTN_DECODE_PROGRAMS_PER_SM overrides it (for
     tuning runs only, like SERVEATTN_DECODE_MIN_CHUNK)."""
-    return int(os.environ.get("SERVEATTN_DECODE_PROGRAMS_PER_SM", PROGRAMS_PER_SM))
+    return int(knobs.get("SERVEATTN_DECODE_PROGRAMS_PER_SM", str(PROGRAMS_PER_SM)))
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in parallelism
 
 
@@ -62,7 +62,7 @@ def decode_tiles(head_dim: int, device: torch.device, kv_dtype: torch.dtype = to
     dtypes; bf16 best at 4 stages (0.508 -> 0.495 ms at 64 x 8192, group 4), fp8 at 6 (0.486 -> 0.449)."""
     if device.type != "cuda":
         return _INTERPRETER_TILES
-    override = os.environ.get("SERVEATTN_DECODE_TILES")
+    override = knobs.get("SERVEATTN_DECODE_TILES", "")
     if override:
         return TileConfig(*map(int, override.split(",")))
     if head_dim == 256:
@@ -148,7 +148,7 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
-        chunk = max(int(os.environ.get("SERVEATTN_DECODE_MIN_CHUNK", MIN_CHUNK)), -(-max_kv // splits))
+        chunk = max(int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))), -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 
 from . import routing, vendor
-from . import policy, staging, torch_impl
+from . import knobs, policy, staging, torch_impl
 from .kernels import attention as attention_kernel
 from .kernels.attention import VT_BLOCK_N
 from .quantization import segment_packbits
@@ -41,7 +40,7 @@ def choose_tiles(head_dim: int, group: int, max_qo_len: Optional[int], device: t
     if device.type != "cuda":  # the interpreter: fewer, larger numpy steps are faster
         block_m = 64 if max_qo_len is None else min(64, max(16, triton_next_pow2(max_qo_len * group)))
         return _tile_config(block_m, 32, 4, 1)
-    override = os.environ.get("SERVEATTN_PREFILL_TILES")
+    override = knobs.get("SERVEATTN_PREFILL_TILES", "")
     if override:
         return TileConfig(*map(int, override.split(",")))
     # H200 sweep of 2026-12-02 (docs/performance.md, head dim 128): 128x128 tiles, 8 warps; a paged gather
@@ -422,7 +421,7 @@ def transposed_v(plan: Plan, use_cuda_graph: bool) -> Plan:
     is then read more than once) and not under CUDA graphs (the copy's size follows the batch).
     SERVEATTN_FP8_VT=0 turns it off (for measuring it)."""
     if (plan.backend != "triton" or use_cuda_graph or plan.q_dtype not in policy.FP8_DTYPES or plan.batch == 0
-            or os.environ.get("SERVEATTN_FP8_VT", "1") != "1"):
+            or knobs.get("SERVEATTN_FP8_VT", "1") != "1"):
         return plan
     qo_lens = plan.qo_indptr_host[1:] - plan.qo_indptr_host[:-1]
     if int(qo_lens.max()) * plan.group <= plan.tiles.block_m:

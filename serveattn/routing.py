@@ -31,14 +31,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
 from . import backend as backends
-from . import policy
+from . import knobs, policy
 
 log = logging.getLogger("serveattn")
 
@@ -538,7 +537,7 @@ def cudnn_declines(req: Request) -> Optional[str]:
 
 def cudnn_slower(req: Request) -> Optional[str]:
     """Why the table does not choose cuDNN for a capable request, or None when it does."""
-    if os.environ.get(CUDNN_ENV, "1") == "0":
+    if knobs.get(CUDNN_ENV, "1") == "0":
         return cudnn_disabled_env()
     table = table_for(req.arch)
     if table is None:

@@ -33,8 +33,18 @@ def _spy(monkeypatch, module, name):
 
 @pytest.fixture
 def ws_calls(monkeypatch):
-    """Counts launches of the warp-specialized kernel."""
-    return _spy(monkeypatch, attention_ws, "launch")
+    """Counts launches of the warp-specialized kernel: each call of attention_ws.launch (whether it launched), and
+    each plan's repeated plain launch (attention_ws._Replay) that launched."""
+    calls = _spy(monkeypatch, attention_ws, "launch")
+    replay = attention_ws._Replay.__call__
+
+    def spy(self, *args, **kwargs):
+        ran = replay(self, *args, **kwargs)
+        if ran:
+            calls.append(True)
+        return ran
+    monkeypatch.setattr(attention_ws._Replay, "__call__", spy)
+    return calls
 
 
 CASES = [
@@ -87,7 +97,8 @@ def test_paged_equals_prefill_kernel(case, dtype, ws_calls, monkeypatch):
                                              causal=causal, kv_layout=b.kv_layout)
     assert rel_err(out, ref_out) < tolerance(dtype)
     check_lse(lse, ref_lse)
-    out2, lse2 = _run(w, b, dtype)
+    out2, lse2 = _run(w, b, dtype)  # the plan's repeated launch (attention_ws._Replay)
+    assert w._plan.launch_memo.get(attention_ws.REPLAY) is not None
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "not repeatable"
     monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
     out_t, lse_t = _run(w, b, dtype)
@@ -111,7 +122,7 @@ def test_ragged_equals_prefill_kernel(causal, ws_calls, monkeypatch):
     w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
     w.plan(qo_indptr, kv_indptr, hq, hkv, 128, causal=causal, q_data_type=dtype)
 
-    def run():
+    def run(k=k, v=v):
         out = nan_like(q.shape, dtype, "cuda")
         lse = nan_like(q.shape[:2], torch.float32, "cuda")
         w.run(q, k, v, out=out, lse=lse, return_lse=True)
@@ -124,8 +135,12 @@ def test_ragged_equals_prefill_kernel(causal, ws_calls, monkeypatch):
     ref_out, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal)
     assert rel_err(out, ref_out) < tolerance(dtype)
     check_lse(lse, ref_lse)
+    # the plan's repeated launch (attention_ws._Replay): new K/V tensors every step, as a server's
+    out_r, lse_r = run(k.clone(), v.clone())
+    assert ws_calls == [True, True] and torch.equal(out, out_r) and torch.equal(lse, lse_r)
     monkeypatch.setenv("SERVEATTN_PREFILL_WS", "0")
     out_t, lse_t = run()
+    assert ws_calls == [True, True]
     assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
 
 

@@ -334,3 +334,21 @@ class Pack:
         if parts is None:
             return launch(self.jit_fn, grid, *args, **self.kwargs)
         return _launch_keyed(self.jit_fn, launches, grid, args, self.kwargs, (self.kwargs_key, parts))
+
+    def arguments_key(self, args):
+        """The key __call__ makes for args, or None where __call__ would not launch through a key."""
+        if self.key_function is None or len(args) != self.num_args:
+            return None
+        try:
+            parts = self.key_function(*args)
+        except Exception:  # noqa: BLE001
+            return None
+        return None if parts is None else (self.kwargs_key, parts)
+
+    def launch_keyed(self, grid, args, arg_key):
+        """__call__(grid, *args) for arguments whose key is arg_key (arguments_key of arguments of the same key
+        parts: the caller vouches for that), without making the key again."""
+        launches = _runnable(self.jit_fn, grid)
+        if launches is None:
+            return launch(self.jit_fn, grid, *args, **self.kwargs)
+        return _launch_keyed(self.jit_fn, launches, grid, args, self.kwargs, arg_key)

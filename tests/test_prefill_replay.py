@@ -1,0 +1,170 @@
+"""attention_ws._Replay on the CPU: a plan's later plain run() launches the warp-specialized kernel with exactly the
+arguments the full path gives, and anything its first launch followed from that moved (q/out/lse layout or
+alignment, another cache, scales, a switch, a dropped cache) takes the full path. The kernel's compiled launcher is
+a recording stand-in (the kernel itself runs in tests/test_prefill_ws_gpu.py)."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import serveattn
+from serveattn.kernels import attention_ws as ws
+from serveattn.kernels import launch as fast
+
+S, HQ, HKV, D, PAGE = 256, 8, 2, 64, 16
+
+
+class _Driver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 77)
+
+
+class _Compiled:
+    function, packed_metadata = "fn", ("meta",)
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def run(self, *launch_args):  # the compiled launcher: grid, stream, function, metadata, hooks, then the arguments
+        self.launches.append(("replayed-or-keyed", launch_args[9:]))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every launch of the warp-specialized kernel, on CPU tensors: ("first", args) for the one that compiles,
+    then ("replayed-or-keyed", args) for each one through a kept entry; plus each full-path attention_ws.launch."""
+    launches, full = [], []
+    monkeypatch.setattr(fast, "ENABLED", True)
+    monkeypatch.setattr(fast, "_driver", _Driver)
+    monkeypatch.setattr(fast, "_interpreted", lambda jit_fn: False)
+    monkeypatch.setattr(serveattn.backend, "interpreting", lambda: True)  # backend="triton" on CPU tensors
+    monkeypatch.setattr(ws, "serves", lambda *a, **k: True)
+    monkeypatch.setattr(ws, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ws.prefill_ws_kernel, "run", lambda *args, grid, warmup, **kwargs: (
+        launches.append(("first", args)), _Compiled(launches))[1])
+    real = ws.launch
+
+    def spy(*args, **kwargs):
+        full.append(True)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ws, "launch", spy)
+    monkeypatch.setattr(fast._launches_of(ws.prefill_ws_kernel), "entries", {})
+    return launches, full
+
+
+def _same(a, b):
+    """Launch arguments alike: the same tensors, descriptors of the same base and fields, equal values."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, ws.TensorDescriptor):
+            if not (isinstance(y, ws.TensorDescriptor) and x.base is y.base
+                    and dict(x.__dict__, base=None) == dict(y.__dict__, base=None)):
+                return False
+        elif not (x is y or (type(x) is type(y) and not isinstance(x, torch.Tensor) and x == y)):
+            return False
+    return True
+
+
+def _paged(gen):
+    pages = S // PAGE
+    cache = torch.randn(pages + 3, 2, PAGE, HKV, D, generator=gen).to(torch.bfloat16)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="triton")
+    w.plan(torch.tensor([0, S], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+           torch.randperm(pages + 3, generator=gen)[:pages].to(torch.int32), torch.tensor([PAGE], dtype=torch.int32),
+           HQ, HKV, D, PAGE, causal=True, q_data_type=torch.bfloat16)
+    return w, cache
+
+
+def _ragged(gen):
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="triton")
+    qo = torch.tensor([0, S], dtype=torch.int32)
+    w.plan(qo, qo, HQ, HKV, D, causal=True, q_data_type=torch.bfloat16)
+    return w
+
+
+def _q(gen):
+    return torch.randn(S, HQ, D, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_replay_passes_what_the_full_path_passes(recorded, kind, with_lse):
+    launches, full = recorded
+    gen = torch.Generator().manual_seed(1)
+    if kind == "paged":
+        w, cache = _paged(gen)
+        kv = lambda: (cache,)  # noqa: E731  (a server's cache: the same tensor every step)
+    else:
+        w = _ragged(gen)
+        kv = lambda: tuple(torch.randn(S, HKV, D, generator=gen).to(torch.bfloat16) for _ in range(2))  # noqa: E731
+    kw = dict(return_lse=True) if with_lse else {}
+    w.run(_q(gen), *kv(), **kw)
+    assert full == [True] and [k for k, _ in launches] == ["first"]
+    assert ws.REPLAY in w._plan.launch_memo
+    for _ in range(2):  # replayed: no full path, each call's own q, out (and lse), K/V descriptors
+        q, args = _q(gen), kv()
+        w.run(q, *args, **kw)
+        assert full == [True]
+        replayed = launches[-1][1]
+        del w._plan.launch_memo[ws.REPLAY]  # the same call on the full path, through the kept entry
+        out = replayed[4]
+        w.run(q, *args, out=out, lse=replayed[5] if with_lse else None, **kw)
+        assert full == [True, True] and _same(replayed, launches[-1][1])
+        full.pop()
+    assert replayed[0] is q and replayed[1].base is q  # q by TMA
+    if kind == "ragged":
+        assert replayed[2].base is args[0] and replayed[3].base is args[1]
+
+
+@pytest.mark.parametrize("change", ["q-strides", "q-misaligned", "out-strides", "lse", "other-cache",
+                                    "cache-moved", "k-scale", "switch", "replanned"])
+def test_what_moved_takes_the_full_path(recorded, monkeypatch, change):
+    launches, full = recorded
+    gen = torch.Generator().manual_seed(2)
+    w, cache = _paged(gen)
+    w.run(_q(gen), cache)
+    w.run(_q(gen), cache)
+    assert full == [True]
+    q, kw = _q(gen), {}
+    if change == "q-strides":
+        q = torch.randn(S, HQ + 1, D, generator=gen).to(torch.bfloat16)[:, :HQ]
+    elif change == "q-misaligned":
+        q = torch.randn(S * HQ * D + 1, generator=gen).to(torch.bfloat16)[1:].view(S, HQ, D)
+    elif change == "out-strides":
+        kw["out"] = torch.empty(S, HQ, D + 16, dtype=torch.bfloat16)[..., :D]
+    elif change == "lse":
+        kw["return_lse"] = True
+    elif change == "other-cache":
+        cache = cache.clone()
+    elif change == "cache-moved":  # the same tensor object, new storage
+        other = cache.clone()
+        cache.set_(other.untyped_storage(), 0, other.shape, other.stride())
+    elif change == "k-scale":
+        kw["k_scale"] = 0.5
+    elif change == "switch":
+        monkeypatch.setenv("SERVEATTN_PREFILL_WS_QTMA", "0")
+    elif change == "replanned":  # the same request planned again: a new plan, its own memo
+        w.plan(torch.tensor([0, S], dtype=torch.int32), torch.tensor([0, S // PAGE], dtype=torch.int32),
+               w._plan.kv_indices.cpu(), torch.tensor([PAGE], dtype=torch.int32), HQ, HKV, D, PAGE, causal=True,
+               q_data_type=torch.bfloat16)
+    w.run(q, cache, **kw)
+    assert full == [True, True], f"{change}: replayed"
+    assert launches[-1][1][0] is q
+
+
+def test_replay_keeps_no_dropped_cache(recorded):
+    """The replay holds the cache's views and descriptors weakly: a dropped cache goes, views and descriptors too."""
+    launches, _ = recorded
+    gen = torch.Generator().manual_seed(3)
+    w, cache = _paged(gen)
+    w.run(_q(gen), cache)
+    launches.clear()  # the recorded arguments hold the descriptors
+    dead = weakref.ref(cache)
+    replay = w._plan.launch_memo[ws.REPLAY]
+    del cache
+    gc.collect()
+    assert dead() is None
+    assert all(ref() is None for ref in (replay.kv_held[0], replay.kv_held[1], replay.kv_held[4], replay.kv_held[5]))
