@@ -1,7 +1,7 @@
-"""attention_ws._Replay on the CPU: a plan's later plain run() launches the warp-specialized kernel with exactly the
-arguments the full path gives, and anything its first launch followed from that moved (q/out/lse layout or
-alignment, another cache, scales, a switch, a dropped cache) takes the full path. The kernel's compiled launcher is
-a recording stand-in (the kernel itself runs in tests/test_prefill_ws_gpu.py)."""
+"""kernels/replay.py on the CPU: a plan's later plain run() launches the warp-specialized kernel, or prefill_kernel,
+with exactly the arguments the full path gives, and anything its first launch followed from that moved (q/out/lse
+layout or alignment, another cache, scales, a switch, a dropped cache) takes the full path. The kernels' compiled
+launchers are recording stand-ins (the kernels run in tests/test_prefill_ws_gpu.py and the GPU suite)."""
 import gc
 import weakref
 
@@ -9,8 +9,12 @@ import pytest
 import torch
 
 import serveattn
+from triton.runtime.jit import JITFunction
+
+from serveattn.kernels import attention
 from serveattn.kernels import attention_ws as ws
 from serveattn.kernels import launch as fast
+from serveattn.kernels import replay
 
 S, HQ, HKV, D, PAGE = 256, 8, 2, 64, 16
 
@@ -31,26 +35,47 @@ class _Compiled:
         self.launches.append(("replayed-or-keyed", launch_args[9:]))
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """Every launch of the warp-specialized kernel, on CPU tensors: ("first", args) for the one that compiles,
-    then ("replayed-or-keyed", args) for each one through a kept entry; plus each full-path attention_ws.launch."""
-    launches, full = [], []
+class _Launches(list):
+    kind = None
+
+
+@pytest.fixture(params=["warp-specialized", "prefill_kernel"])
+def recorded(monkeypatch, request):
+    """Every launch of the kernel under test, on CPU tensors: ("first", args) for the one that compiles, then
+    ("replayed-or-keyed", args) for each one through a kept entry; plus each full-path attention.launch. The
+    warp-specialized kernel is taken by faking serves(); prefill_kernel (an interpreted function under
+    TRITON_INTERPRET=1) by a JITFunction of its source, never compiled."""
+    launches, full = _Launches(), []
     monkeypatch.setattr(fast, "ENABLED", True)
     monkeypatch.setattr(fast, "_driver", _Driver)
     monkeypatch.setattr(fast, "_interpreted", lambda jit_fn: False)
     monkeypatch.setattr(serveattn.backend, "interpreting", lambda: True)  # backend="triton" on CPU tensors
-    monkeypatch.setattr(ws, "serves", lambda *a, **k: True)
-    monkeypatch.setattr(ws, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(ws.prefill_ws_kernel, "run", lambda *args, grid, warmup, **kwargs: (
+    if request.param == "warp-specialized":
+        monkeypatch.setattr(ws, "serves", lambda *a, **k: True)
+        monkeypatch.setattr(ws, "_num_sms", lambda device: 132)
+        kernel = ws.prefill_ws_kernel
+    else:
+        kernel = JITFunction(attention.prefill_kernel.fn)
+        monkeypatch.setattr(attention, "prefill_kernel", kernel)
+    monkeypatch.setattr(kernel, "run", lambda *args, grid, warmup, **kwargs: (
         launches.append(("first", args)), _Compiled(launches))[1])
-    real = ws.launch
+    real, real_replay, replayed = attention.launch, replay.Replay.__call__, []
 
-    def spy(*args, **kwargs):
-        full.append(True)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(ws, "launch", spy)
-    monkeypatch.setattr(fast._launches_of(ws.prefill_ws_kernel), "entries", {})
+    def replay_spy(self, *args, **kwargs):
+        ran = real_replay(self, *args, **kwargs)
+        replayed.append(ran)
+        return ran
+
+    def spy(*args, **kwargs):  # full: the calls no replay launched
+        replayed.clear()
+        result = real(*args, **kwargs)
+        if not any(replayed):
+            full.append(True)
+        return result
+    monkeypatch.setattr(replay.Replay, "__call__", replay_spy)
+    monkeypatch.setattr(attention, "launch", spy)
+    monkeypatch.setattr(fast._launches_of(kernel), "entries", {})
+    launches.kind = request.param
     return launches, full
 
 
@@ -103,20 +128,24 @@ def test_replay_passes_what_the_full_path_passes(recorded, kind, with_lse):
     kw = dict(return_lse=True) if with_lse else {}
     w.run(_q(gen), *kv(), **kw)
     assert full == [True] and [k for k, _ in launches] == ["first"]
-    assert ws.REPLAY in w._plan.launch_memo
+    assert replay.KEY in w._plan.launch_memo
     for _ in range(2):  # replayed: no full path, each call's own q, out (and lse), K/V descriptors
         q, args = _q(gen), kv()
         w.run(q, *args, **kw)
         assert full == [True]
         replayed = launches[-1][1]
-        del w._plan.launch_memo[ws.REPLAY]  # the same call on the full path, through the kept entry
-        out = replayed[4]
-        w.run(q, *args, out=out, lse=replayed[5] if with_lse else None, **kw)
+        del w._plan.launch_memo[replay.KEY]  # the same call on the full path, through the kept entry
+        at = 4 if launches.kind == "warp-specialized" else 3  # out's position: after the TMA operands, or K/V
+        w.run(q, *args, out=replayed[at], lse=replayed[at + 1] if with_lse else None, **kw)
         assert full == [True, True] and _same(replayed, launches[-1][1])
         full.pop()
-    assert replayed[0] is q and replayed[1].base is q  # q by TMA
-    if kind == "ragged":
-        assert replayed[2].base is args[0] and replayed[3].base is args[1]
+    assert replayed[0] is q
+    if launches.kind == "warp-specialized":
+        assert replayed[1].base is q  # q by TMA
+        if kind == "ragged":
+            assert replayed[2].base is args[0] and replayed[3].base is args[1]
+    elif kind == "ragged":
+        assert replayed[1] is args[0] and replayed[2] is args[1]
 
 
 @pytest.mark.parametrize("change", ["q-strides", "q-misaligned", "out-strides", "lse", "other-cache",
@@ -163,8 +192,8 @@ def test_replay_keeps_no_dropped_cache(recorded):
     w.run(_q(gen), cache)
     launches.clear()  # the recorded arguments hold the descriptors
     dead = weakref.ref(cache)
-    replay = w._plan.launch_memo[ws.REPLAY]
+    repeat = w._plan.launch_memo[replay.KEY]
     del cache
     gc.collect()
     assert dead() is None
-    assert all(ref() is None for ref in (replay.kv_held[0], replay.kv_held[1], replay.kv_held[4], replay.kv_held[5]))
+    assert all(ref() is None for ref in (repeat.kv_held[0], repeat.kv_held[1], repeat.kv_held[4], repeat.kv_held[5]))

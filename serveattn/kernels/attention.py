@@ -20,10 +20,10 @@ try:  # Gluon's Hopper API as Triton 3.6 has it; older Tritons get prefill_kerne
     from . import attention_ws
 except (ImportError, AttributeError):
     attention_ws = None
-from . import gather
+from . import gather, replay
 from .. import knobs
 from .common import EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, vt_column, widen
-from .launch import launch as launch_jit
+from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
 VT_BLOCK_N = 64  # keys per transpose_v_kernel program
@@ -468,10 +468,10 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     device tensors of one element or one per head, for an fp8 query over an fp8 cache. gather_ok: an fp8 cache
     may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs).
     kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
-    plain = k_scale is None and v_scale is None and descales is None and attention_ws is not None
+    plain = k_scale is None and v_scale is None and descales is None and plan.vt_work is None
     if plain:  # a plan's later plain calls repeat its first plain launch where nothing it follows from moved
-        replay = plan.launch_memo.get(attention_ws.REPLAY)
-        if replay is not None and replay(q, k, v, out, lse, grid0, gather_ok):
+        repeat = plan.launch_memo.get(replay.KEY)
+        if repeat is not None and repeat(q, k, v, out, lse, grid0, gather_ok):
             return
     if k_scale is None and v_scale is None:
         ks = vs = 1.0
@@ -507,7 +507,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
                                   vs_dev, descales, vt if plan.vt_work is not None else None,
                                   replay_gather_ok=gather_ok if plain else None):
         return
-    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
+    args = (
         q, k, v, out, lse_arg,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
         plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
@@ -516,7 +516,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         qk_scale, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
-        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens,
+        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens)
+    kwargs = dict(
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
@@ -525,3 +526,14 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         num_stages=cfg.num_stages,
         **LAUNCH_OPTIONS,
     )
+    grid = (grid0, plan.num_kv_heads)
+    if not (plain and replay.KEY not in plan.launch_memo and replay.aligned(q, out, lse)
+            and (plan.paged or replay.aligned(k, v))):
+        launch_jit(prefill_kernel, grid, *args, **kwargs)
+        return
+    pack = Pack(prefill_kernel, args, kwargs, ())  # the plan's first plain launch, kept as its replay
+    pack(grid, *args)
+    arg_key = pack.arguments_key(args)
+    if arg_key is not None:
+        plan.launch_memo[replay.KEY] = replay.Replay(pack, arg_key, args, grid, q, k, v, out, lse, grid0, gather_ok,
+                                                     not plan.paged)

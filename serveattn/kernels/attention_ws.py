@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .. import knobs
 from ..policy import FP8_DTYPES, cuda_properties
 from .common import FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA
+from . import replay
 from .launch import Pack
 from .sizes import cdiv
 
@@ -748,7 +749,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not.
     descales, vt: fp8 attention's (scale_q, scale_k, scale_v) and V^T ([kv heads, head dim, columns],
     attention.transpose_v_kernel). replay_gather_ok: attention.launch's gather_ok, given where its call had no
-    scales or descales and came here directly: the launch is kept as the plan's _Replay."""
+    scales or descales and came here directly: the plan's first such launch is kept as its replay.Replay."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     fp8 = descales is not None
@@ -804,94 +805,10 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             ((28,) if fp8 else (28, 29, 30, 31))
         pack = plan.launch_memo[kind] = Pack(prefill_ws_kernel, args, kwargs, fixed)
     pack((programs, 1), *args)
-    if replay_gather_ok is not None and not (fp8 or ks_dev or vs_dev):
+    if (replay_gather_ok is not None and not (fp8 or ks_dev or vs_dev) and replay.KEY not in plan.launch_memo
+            and replay.aligned(q, out, lse) and (plan.paged or replay.aligned(k, v))):
         arg_key = pack.arguments_key(args)
-        if arg_key is not None and _Replay.aligned(q, out, lse):
-            plan.launch_memo[REPLAY] = _Replay(pack, arg_key, args, (programs, 1), q, k, v, out, lse, grid0,
-                                               replay_gather_ok, not plan.paged)
+        if arg_key is not None:
+            plan.launch_memo[replay.KEY] = replay.Replay(pack, arg_key, args, (programs, 1), q, k, v, out, lse, grid0,
+                                                         replay_gather_ok, not plan.paged, TensorDescriptor)
     return True
-
-
-REPLAY = "replay"  # plan.launch_memo's key of its _Replay
-
-# the switches a plain launch's decisions read (serves, attention._launch_gathered, _q_descriptor, launch)
-_SWITCHES = ("SERVEATTN_PREFILL_WS", "TRITON_INTERPRET", "SERVEATTN_PREFILL_WS_QTMA", "SERVEATTN_PREFILL_WS_PERSISTENT",
-             "SERVEATTN_PREFILL_GATHER")
-
-
-class _HashedParts(tuple):
-    """A key's positional parts with their hash made once (a descriptor's part holds a Gluon layout, whose hash
-    costs about a microsecond)."""
-
-    def __hash__(self):
-        h = self.__dict__.get("hash")
-        if h is None:
-            h = self.__dict__["hash"] = tuple.__hash__(self)
-        return h
-
-
-class _Replay:
-    """A plan's plain launch (no scales or descales, straight from attention.launch), made once and repeated.
-
-    A server calls run() with the same plan, cache and argument layout at every layer of a step; what launch()
-    decides (serves, the gather check, the TMA row maps, the descriptors' shapes, Pack's key of 34 arguments)
-    follows from the plan and from what is checked here: the same K/V (paged: the same objects at the same
-    address, shape and strides; ragged: the same dtype, shape and strides, 16-byte aligned), q / out / lse of the
-    same dtype, shape and strides, 16-byte aligned, the same grid and gather_ok, and the same switches. Then the
-    arguments differ from the first call's only in the tensors and descriptors at positions 0-5 (descriptors of
-    the same shape, strides, block and layout), their key parts are the same, and the launch goes to the same
-    compiled entry (Pack.launch_keyed: the device, debug mode and rebound globals are still checked there).
-    Anything else: False, and the call takes the full path."""
-
-    def __init__(self, pack, arg_key, args, grid, q, k, v, out, lse, grid0, gather_ok, ragged):
-        self.pack, self.grid = pack, grid
-        self.arg_key = (arg_key[0], _HashedParts(arg_key[1]))
-        self.rest = args[6:]  # from q's strides on: the strides are checked equal, the rest are the plan's
-        # descriptor fields but the base (the same shape, strides, block, layout and padding at every call)
-        self.q_fields = dict(args[1].__dict__, base=None) if args[1] is not args[2] else None
-        self.kv_fields = (dict(args[2].__dict__, base=None), dict(args[3].__dict__, base=None)) if ragged else None
-        self.layouts = (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
-                        None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
-                        k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride())
-        self.switches = knobs.snapshot(_SWITCHES)
-        # paged: the cache views and their descriptors are the same objects at every step (prefill._cache_views,
-        # _kept_descriptor), held weakly here (a plan must not keep a dropped cache alive)
-        self.kv_held = None if ragged else (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
-                                            weakref.ref(args[2]), weakref.ref(args[3]))
-
-    @staticmethod
-    def aligned(q, out, lse) -> bool:
-        return not (q.data_ptr() & 15 or out.data_ptr() & 15 or lse is not None and lse.data_ptr() & 15)
-
-    def __call__(self, q, k, v, out, lse, grid0, gather_ok) -> bool:
-        if q.__class__ is not torch.Tensor or out.__class__ is not torch.Tensor or lse is not None and \
-                lse.__class__ is not torch.Tensor:
-            return False
-        if (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
-                None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
-                k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride()) != self.layouts:
-            return False
-        if not self.aligned(q, out, lse) or knobs.snapshot(_SWITCHES) != self.switches:
-            return False
-        if self.kv_held is None:  # ragged: new K/V every step, descriptors of the same fields
-            if k.data_ptr() & 15 or v.data_ptr() & 15:
-                return False
-            k_desc, v_desc = object.__new__(TensorDescriptor), object.__new__(TensorDescriptor)
-            k_fields, v_fields = self.kv_fields
-            k_desc.__dict__.update(k_fields, base=k)
-            v_desc.__dict__.update(v_fields, base=v)
-        else:
-            k_ref, v_ref, k_ptr, v_ptr, k_desc_ref, v_desc_ref = self.kv_held
-            if k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr or v.data_ptr() != v_ptr:
-                return False
-            k_desc, v_desc = k_desc_ref(), v_desc_ref()
-            if k_desc is None or v_desc is None:
-                return False
-        if self.q_fields is not None:
-            first = object.__new__(TensorDescriptor)
-            first.__dict__.update(self.q_fields, base=q)
-        else:
-            first = k_desc
-        self.pack.launch_keyed(self.grid, (q, first, k_desc, v_desc, out, lse if lse is not None else out)
-                               + self.rest, self.arg_key)
-        return True

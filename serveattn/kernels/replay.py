@@ -1,0 +1,115 @@
+"""A prefill plan's repeated launch: its first plain launch (no scales or descales, straight from
+attention.launch) made once, and repeated while nothing it followed from has moved.
+
+A server calls run() with the same plan, cache and argument layout at every layer of a step. What attention.launch
+decides for a call (the gather check, which kernel serves it, the TMA row maps and descriptors, Pack's key of 30-60
+arguments) follows from the plan and from what a Replay checks: the same K/V (paged: the same objects at the same
+address, shape and strides, held weakly; ragged: the same dtype, shape and strides, 16-byte aligned), q / out / lse
+of the same dtype, shape and strides, 16-byte aligned, the same grid and gather_ok, and the same switches. Then the
+arguments differ from the first call's only in the tensors (and descriptors) at the front, with the same key parts,
+and the launch goes to the same compiled entry (Pack.launch_keyed: the device, debug mode and rebound globals are
+still checked there). Anything else: False, and the call takes the full path (which makes a new Replay only at a
+plan's first plain call: the plan's memo keeps the first).
+
+CPU: prefill run() through the fast launch 22 -> 9.5 us (ragged), 18 -> 9.5 us (paged); H200 host: 65-78 -> 29-32
+us (docs/performance.md, session 19).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import knobs
+
+KEY = "replay"  # plan.launch_memo's key of its Replay
+
+# the switches a plain launch's decisions read (attention._launch_gathered, attention_ws.serves, _q_descriptor,
+# attention_ws.launch)
+SWITCHES = ("SERVEATTN_PREFILL_WS", "TRITON_INTERPRET", "SERVEATTN_PREFILL_WS_QTMA", "SERVEATTN_PREFILL_WS_PERSISTENT",
+            "SERVEATTN_PREFILL_GATHER")
+
+
+class _HashedParts(tuple):
+    """A key's positional parts with their hash made once (a descriptor's part holds a Gluon layout, whose hash
+    costs about a microsecond)."""
+
+    def __hash__(self):
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
+def aligned(*tensors) -> bool:
+    """Every tensor given (None skipped) starts on a 16-byte boundary."""
+    return not any(t is not None and t.data_ptr() & 15 for t in tensors)
+
+
+class Replay:
+    """args: the first call's positional arguments, which start with q, then K and V (`descriptor` None) or the
+    first TMA operand and K's and V's descriptors (`descriptor`: the TensorDescriptor class), then out and lse's
+    argument; every later argument is the plan's or follows from the strides checked here."""
+
+    def __init__(self, pack, arg_key, args, grid, q, k, v, out, lse, grid0: int, gather_ok: bool, ragged: bool,
+                 descriptor=None):
+        self.pack, self.grid, self.descriptor = pack, grid, descriptor
+        self.arg_key = (arg_key[0], _HashedParts(arg_key[1]))
+        front = 6 if descriptor is not None else 5
+        self.rest = args[front:]
+        if descriptor is not None:
+            # descriptor fields but the base (the same shape, strides, block, layout and padding at every call)
+            self.q_fields = dict(args[1].__dict__, base=None) if args[1] is not args[2] else None
+            self.kv_fields = (dict(args[2].__dict__, base=None), dict(args[3].__dict__, base=None))
+            kv_objects = (args[2], args[3])
+        else:
+            kv_objects = (k, v)
+        self.layouts = (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
+                        None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
+                        k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride())
+        self.switches = knobs.snapshot(SWITCHES)
+        # paged: the cache views (prefill._cache_views) and their descriptors (attention_ws._kept_descriptor) are the
+        # same objects at every step; held weakly (a plan must not keep a dropped cache alive)
+        self.ragged = ragged
+        self.kv_held = None if ragged else (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
+                                            weakref.ref(kv_objects[0]), weakref.ref(kv_objects[1]))
+
+    def __call__(self, q, k, v, out, lse, grid0: int, gather_ok: bool) -> bool:
+        """Launches as the first call did, with this call's tensors; False (nothing launched) where it may not."""
+        if q.__class__ is not torch.Tensor or out.__class__ is not torch.Tensor or lse is not None and \
+                lse.__class__ is not torch.Tensor:
+            return False
+        if (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
+                None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
+                k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride()) != self.layouts:
+            return False
+        if not aligned(q, out, lse) or knobs.snapshot(SWITCHES) != self.switches:
+            return False
+        if self.ragged:  # new K/V every step
+            if not aligned(k, v):
+                return False
+            if self.descriptor is not None:
+                k_fields, v_fields = self.kv_fields
+                k_op, v_op = object.__new__(self.descriptor), object.__new__(self.descriptor)
+                k_op.__dict__.update(k_fields, base=k)
+                v_op.__dict__.update(v_fields, base=v)
+            else:
+                k_op, v_op = k, v
+        else:
+            k_ref, v_ref, k_ptr, v_ptr, k_op_ref, v_op_ref = self.kv_held
+            if k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr or v.data_ptr() != v_ptr:
+                return False
+            k_op, v_op = k_op_ref(), v_op_ref()
+            if k_op is None or v_op is None:
+                return False
+        lse_arg = lse if lse is not None else out
+        if self.descriptor is None:
+            front = (q, k_op, v_op, out, lse_arg)
+        elif self.q_fields is not None:  # q by TMA
+            q_op = object.__new__(self.descriptor)
+            q_op.__dict__.update(self.q_fields, base=q)
+            front = (q, q_op, k_op, v_op, out, lse_arg)
+        else:
+            front = (q, k_op, k_op, v_op, out, lse_arg)
+        self.pack.launch_keyed(self.grid, front + self.rest, self.arg_key)
+        return True
