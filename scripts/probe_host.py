@@ -196,10 +196,12 @@ def prefill_host(with_profile: bool):
             w.plan(qo, torch.tensor([0, pages], dtype=torch.int32, device=dev), indices,
                    torch.tensor([16], dtype=torch.int32, device=dev), 32, 8, 128, 16, causal=True,
                    q_data_type=torch.bfloat16)
-            call, kv = (lambda: w.run(q, cache)), (cache[:, 0], cache[:, 1])
+            # the K/V views run() takes (kept per cache: the plan's replay sees the same objects)
+            call, kv = (lambda: w.run(q, cache)), serveattn.prefill._cache_views(w._caches, cache, "NHD")[:2]
         out = torch.empty_like(q)
         p = w._plan
-        launch = lambda: attention_kernel.launch(q, kv[0], kv[1], out, None, p, "NHD", p.num_work_host)
+        launch = lambda: attention_kernel.launch(q, kv[0], kv[1], out, None, p, "NHD", p.num_work_host,  # noqa: E731
+                                                 gather_ok=True)  # as run() passes it: the plan's replay
         host, bare = per_call_us(call), per_call_us(launch)
         gpu = triton.testing.do_bench(call, warmup=25, rep=100) * 1e3
         print(f"prefill {kind} 1x{s}: run() host {host:.1f} us a call, GPU (do_bench) {gpu:.1f} us; bare "
