@@ -88,27 +88,27 @@ class ArchTable:
 TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
-        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-03 20:22: python -m serveattn.bench "
-                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; fast launch path "
-                 "on; docs/runs/2026-12-03T2022-bench-crossover.log)",
-        # docs/routing.md, table sm90-prefill-cudnn, measured with the fast launch path: eager, our run() still costs
-        # tens of us of host time a call on that host, so cuDNN takes the short lengths (0.35-0.48x our time at 512
-        # rows); from 2048-4096 rows the two are within a few percent either way. Upper ends: the longest run of
-        # lengths where cuDNN won at every batch (group 1 causal: one request of 4096 is ours by 1.46x, 8 x 4096
-        # cuDNN's by 0.72x; the table keys on length only).
+        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-04 14:14: python -m serveattn.bench "
+                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; the plan's "
+                 "repeated launch, kernels/replay.py, on; docs/runs/2026-12-04T1416-bench-crossover.log)",
+        # docs/routing.md, table sm90-prefill-cudnn, measured after prefill run()'s host time fell to ~30 us on the
+        # H200 host (kernels/replay.py): eager, cuDNN still takes the short lengths, but by 0.78-0.86x our time at
+        # 512 rows (was 0.35-0.48x); longer, batch 8 often stays cuDNN's (0.65-0.97x) and one request ours. Upper
+        # ends: the longest run of lengths where cuDNN won at every batch (group 1 causal: one request of 2048 or
+        # 4096 is ours, 8 x 4096 cuDNN's by 0.73x; the table keys on length only). Group 8 causal starts at 1024:
+        # at 512 one request was ours (1.32x; 8 x 512 cuDNN's by 0.65x).
         cudnn_min_rows={
             ("bfloat16", 128, 1, False): 512,
             ("bfloat16", 128, 1, True): 512,
             ("bfloat16", 128, 4, False): 512,
             ("bfloat16", 128, 4, True): 512,
             ("bfloat16", 128, 8, False): 512,
-            ("bfloat16", 128, 8, True): 512,
+            ("bfloat16", 128, 8, True): 1024,
         },
         cudnn_max_rows={
-            ("bfloat16", 128, 1, True): 4096,
+            ("bfloat16", 128, 1, True): 2048,
             ("bfloat16", 128, 4, False): 8192,
-            ("bfloat16", 128, 4, True): 4096,
-            ("bfloat16", 128, 8, False): 8192,
+            ("bfloat16", 128, 4, True): 1024,
             ("bfloat16", 128, 8, True): 2048,
         },
         # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
@@ -117,7 +117,7 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
         # kernel. Group 4, re-measured after the bandwidth kernel's 64-key tiles and graph grid (table
         # sm90-decode-tc-g4, 2026-12-02T21:46): 1.01-1.03 at 1.94, 0.96-1.00 from 3.88 on, so no threshold holds
         # at every point above it: the bandwidth kernel everywhere.
-        # (the 2026-12-03 run measured the same: None for groups 1, 4 and 8)
+        # (the 2026-12-03 and 2026-12-04 runs measured the same: None for groups 1, 4 and 8)
         decode_tc_min_programs_per_sm={
             ("bfloat16", 128, 1): None,
             ("bfloat16", 128, 4): None,

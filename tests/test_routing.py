@@ -39,10 +39,11 @@ def _rows(n):
 #: same ground is covered by tests/test_routing_gpu.py.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="kernels on CPU tensors: the interpreter only")
 
-# A prefill request the sm 9.0 table sends to cuDNN, and a decode request (bandwidth kernel below the crossover).
+# A prefill request the sm 9.0 table sends to cuDNN (its group-4 causal crossover's length, whatever it is), and a
+# decode request (bandwidth kernel below the crossover).
 PF = routing.Request(kind="prefill", device_type="cuda", arch=(9, 0), num_sms=132, q_dtype=BF16, kv_dtype=BF16,
                      o_dtype=BF16, head_dim=128, num_qo_heads=32, num_kv_heads=8, causal=True, batch=2,
-                     min_qo_len=2048, max_qo_len=2048, min_kv_len=2048, max_kv_len=2048)
+                     min_qo_len=MIN_ROWS, max_qo_len=MIN_ROWS, min_kv_len=MIN_ROWS, max_kv_len=MIN_ROWS)
 DEC = dataclasses.replace(PF, kind="decode", paged=True, causal=False, batch=1, min_qo_len=1, max_qo_len=1)
 
 
