@@ -197,3 +197,16 @@ def test_replay_keeps_no_dropped_cache(recorded):
     gc.collect()
     assert dead() is None
     assert all(ref() is None for ref in (repeat.kv_held[0], repeat.kv_held[1], repeat.kv_held[4], repeat.kv_held[5]))
+
+
+def test_every_switch_on_the_launch_path_is_watched():
+    """A replay skips the decisions attention.launch and attention_ws.launch make from switches read per call, so
+    each such switch must be in replay.SWITCHES (a changed one then takes the full path). Exempt: the fp8-attention
+    switch, read only for calls with descales, which never replay."""
+    import pathlib
+    import re
+    exempt = {"SERVEATTN_PREFILL_WS_FP8"}
+    read = set()
+    for module in (attention, ws):
+        read |= set(re.findall(r'knobs\.get\("([A-Z0-9_]+)"', pathlib.Path(module.__file__).read_text()))
+    assert read and read - exempt <= set(replay.SWITCHES), sorted(read - exempt - set(replay.SWITCHES))
