@@ -207,6 +207,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           last_page_len=paged_kv_last_page_len_buffer)
         self._plan: Optional[DecodePlan] = None
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
+        self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
         self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
@@ -341,6 +342,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                           backend=route, **kw)
             wrapper._entry = self._entry
             wrapper._graph_max_qo = max_rows
+            wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
         wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
@@ -369,7 +371,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                device=self.device)
         if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
             for name, t in (*partials.items(), *staging.to_device({n: getattr(plan, n) for n in names},
-                                                                  self.device).items()):
+                                                                  self.device, self._kept).items()):
                 setattr(plan, name, t)
             self._plan = plan
             return

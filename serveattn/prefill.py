@@ -455,6 +455,7 @@ class _PrefillWrapper:
         self._use_cuda_graph = use_cuda_graph
         self._backend_request = backend
         self._plan: Optional[Plan] = None
+        self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._graph_bufs: Optional[dict] = None  # under use_cuda_graph: the buffers the captured graph reads
         self._graph_signature = None
         self._caller_bufs: dict = {}
@@ -477,7 +478,8 @@ class _PrefillWrapper:
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
                 # the plan is this call's own (make_plan built it): set the device arrays in place; a replace()
                 # of this 45-field dataclass cost about 10 us of host time per plan
-                for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device).items():
+                for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
+                                                  self._kept).items():
                     setattr(plan, name, t)
         self._plan = plan
         self.backend = plan.backend

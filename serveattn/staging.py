@@ -10,9 +10,20 @@ The bytes are packed into page-locked (pinned) host memory, so the copy is queue
 plan() returns without waiting for it. A small ring of pinned buffers is reused; a buffer is refilled only
 after the copy that last read it has finished (its event), so a later plan can never overwrite bytes still
 in flight.
+
+A wrapper that plans again and again passes its `Kept`: its next plan's arrays then land in the same device buffer,
+at the same offsets while each array fits the room it had (rooms are powers of two), so the buffer is not
+allocated and the views of arrays whose size did not change are not made again (each costs a torch call of host
+time). The copy is ordered on the stream after every kernel enqueued before it, as FlashInfer's re-plan into its
+int workspace is: a run() of the previous plan on another stream, still pending, must be waited for first.
+
+On CUDA the copy and the events go straight to the driver (cuMemcpyHtoDAsync, cuEventRecord through ctypes, on
+the stream torch reports as current): torch's copy_, current_stream and Event cost 3-7 us of host time each on
+the H200 host, the driver calls under 1 us (scripts/probe_staging.py).
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Dict, Optional, Union
 
 import numpy as np
@@ -24,10 +35,57 @@ _ALIGN = 16  # bytes: 16 so that every array is 16-byte aligned (Triton speciali
 _RING = 4  # pinned buffers per device: a plan waits only if the copy 4 plans ago is still in flight
 
 
+class _Driver:
+    """The CUDA driver calls the copy needs, through ctypes (None where libcuda cannot be loaded)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuEventCreate.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        self.raw_stream = torch._C._cuda_getCurrentRawStream
+
+    @staticmethod
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"serveattn: the CUDA driver's {call} returned error {result} while copying a "
+                               f"plan's arrays to the device.")
+
+    def event(self):
+        ev = ctypes.c_void_p()
+        self.check(self.lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+        return ev
+
+    def copy(self, dst: int, src: int, nbytes: int, device: torch.device, event) -> None:
+        stream = self.raw_stream(device.index)
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+        self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def wait(self, event) -> None:
+        self.check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
+
+
+_driver: Union[_Driver, None, bool] = False  # False: not loaded yet
+
+
+def _get_driver() -> Optional[_Driver]:
+    global _driver
+    if _driver is False:
+        try:
+            _driver = _Driver(ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            _driver = None
+    return _driver
+
+
 class _PinnedRing:
-    def __init__(self):
+    def __init__(self, driver: Optional[_Driver]):
         self.buffers = [None] * _RING  # (pinned uint8 tensor, its numpy view)
-        self.events = [None] * _RING
+        self.driver = driver
+        # driver events, made once: a slot's copy is recorded on it (torch.cuda.Event without the driver)
+        self.events = [driver.event() if driver else None for _ in range(_RING)]
+        self.recorded = [False] * _RING
         self.next = 0
 
     def stage(self, nbytes: int):
@@ -35,21 +93,39 @@ class _PinnedRing:
         slot is done."""
         i = self.next
         self.next = (i + 1) % _RING
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        if self.recorded[i]:
+            self.driver.wait(self.events[i]) if self.driver else self.events[i].synchronize()
         buf = self.buffers[i]
         if buf is None or buf[0].numel() < nbytes:
             t = torch.empty(max(4096, 1 << (nbytes - 1).bit_length()), dtype=torch.uint8, pin_memory=True)
             buf = self.buffers[i] = (t, t.numpy())
         return buf[0], buf[1], i
 
-    def copied(self, slot: int, device: torch.device):
-        event = self.events[slot] or torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        self.events[slot] = event
+    def copy(self, slot: int, dst: torch.Tensor, nbytes: int, device: torch.device) -> None:
+        """The first nbytes of slot's pinned buffer into dst (a device uint8 tensor), on the current stream."""
+        staged = self.buffers[slot][0]
+        if self.driver is not None:
+            self.driver.copy(dst.data_ptr(), staged.data_ptr(), nbytes, device, self.events[slot])
+        else:
+            dst[:nbytes].copy_(staged[:nbytes], non_blocking=True)
+            event = self.events[slot] or torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.events[slot] = event
+        self.recorded[slot] = True
 
 
-_rings: Dict[torch.device, _PinnedRing] = {}
+class Kept:
+    """A wrapper's device copy of its plan arrays, kept for its next plan (to_device's `kept`): the buffer, each
+    array's room in bytes, and the views made last time with what they were made for."""
+    __slots__ = ("blob", "rooms", "views")
+
+    def __init__(self):
+        self.blob: Optional[torch.Tensor] = None
+        self.rooms: Dict[str, int] = {}
+        self.views: Dict[str, tuple] = {}
+
+
+_rings: Dict[tuple, _PinnedRing] = {}  # (device, through the driver)
 
 
 def _layout(arrays: Dict[str, np.ndarray]):
@@ -96,11 +172,30 @@ def unpack(blob: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _kept_layout(arrays: Dict[str, np.ndarray], kept: Kept):
+    """_layout's (layout, total) with each array at the start of its room (a power of two of at least 64 bytes,
+    kept while the array fits and the arrays are the same names), and whether any room moved."""
+    same_names = list(kept.rooms) == list(arrays)
+    rooms, moved = {}, not same_names
+    layout, offset = [], 0
+    for name, a in arrays.items():
+        room = kept.rooms[name] if same_names else 0
+        if room < a.nbytes:
+            room, moved = max(64, 1 << (a.nbytes - 1).bit_length()), True
+        rooms[name] = room
+        layout.append((name, offset, a.nbytes, _TORCH[a.dtype], a.shape))
+        offset += room
+    kept.rooms = rooms
+    return layout, offset, moved
+
+
 def to_device(arrays: Dict[str, Union[torch.Tensor, np.ndarray, None]],
-              device: torch.device) -> Dict[str, Optional[torch.Tensor]]:
+              device: torch.device, kept: Optional[Kept] = None) -> Dict[str, Optional[torch.Tensor]]:
     """name -> tensor, the plan's own numpy array, or None, to name -> a copy of it on `device` (None stays None):
     host arrays in one packed copy to a CUDA device, every other tensor copied on its own, and on the host the
-    plan's own arrays wrapped as they are (torch.from_numpy: no copy)."""
+    plan's own arrays wrapped as they are (torch.from_numpy: no copy). With `kept` (CUDA), the packed copy goes
+    into the buffer the previous call with it filled, whose views then hold these values (see the module's
+    docstring)."""
     device = torch.device(device)
     out: Dict[str, Optional[torch.Tensor]] = {}
     host = {}
@@ -121,15 +216,46 @@ def to_device(arrays: Dict[str, Union[torch.Tensor, np.ndarray, None]],
             device = torch.device("cuda", torch.cuda.current_device())
         # numpy for the packing: a numpy slice assignment costs a fraction of a torch op's dispatch
         arrays_np = _host_arrays(host)
-        layout, total = _layout(arrays_np)
-        blob = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
-        if total:
-            ring = _rings.setdefault(device, _PinnedRing())
-            staged, staged_np, slot = ring.stage(total)
+        if kept is not None:
+            layout, total, moved = _kept_layout(arrays_np, kept)
+            if moved or kept.blob is None or kept.blob.device != device:
+                kept.blob, kept.views = torch.empty(total, dtype=torch.uint8, device=device), {}
+            blob = kept.blob
+        else:
+            layout, total = _layout(arrays_np)
+            blob = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+        end = layout[-1][1] + layout[-1][2]  # the last array's last byte: rooms past it are not copied
+        if end:
+            # the driver path only for the current device (the driver's current context is that device's)
+            fast = device.index == torch.cuda.current_device()
+            ring = _rings.get((device, fast))
+            if ring is None:
+                ring = _rings[(device, fast)] = _PinnedRing(_get_driver() if fast else None)
+            staged, staged_np, slot = ring.stage(end)
             _fill(staged_np, arrays_np, layout)
-            blob.copy_(staged[:total] if staged.numel() != total else staged, non_blocking=True)
-            ring.copied(slot, device)
-        out.update(unpack(blob, layout))
+            ring.copy(slot, blob, end, device)
+        if kept is None:
+            out.update(unpack(blob, layout))
+        else:
+            out.update(_kept_views(blob, layout, kept))
+    return out
+
+
+def _kept_views(blob: torch.Tensor, layout, kept: Kept) -> Dict[str, torch.Tensor]:
+    """unpack's views of blob, the ones made last time for the same (offset, bytes, dtype, shape) reused."""
+    out, views, typed = {}, kept.views, {}
+    for entry in layout:
+        name, start, nbytes, dtype, shape = entry
+        made = views.get(name)
+        if made is not None and made[0] == entry:
+            out[name] = made[1]
+            continue
+        if dtype not in typed:
+            typed[dtype] = blob.view(dtype)
+        size = dtype.itemsize
+        t = typed[dtype][start // size:(start + nbytes) // size]
+        out[name] = t if len(shape) == 1 else t.view(shape)
+        views[name] = (entry, out[name])
     return out
 
 

@@ -137,3 +137,32 @@ def test_batch_sizes_share_one_compiled_kernel():
         if before is None:
             before = _compiled_variants(decode_kernels.decode_kernel)
     assert _compiled_variants(decode_kernels.decode_kernel) == before, "a batch size compiled a new decode variant"
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+def test_replans_of_one_wrapper_equal_fresh_wrappers(use_tensor_cores):
+    """One wrapper planned step after step (its arrays copied into the buffer it keeps, staging.Kept) with a run
+    queued behind a busy stream after each plan: every run bitwise equal to a fresh wrapper's on the same batch,
+    the batch growing, shrinking and growing past the rooms it had."""
+    gen = torch.Generator().manual_seed(37)
+    hq, hkv, d, ps, num_pages = 32, 8, 128, 16, 6000
+    cache = torch.randn(num_pages, 2, ps, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    kept_w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=use_tensor_cores, backend="triton")
+    big = torch.randn(4096, 4096, device="cuda")
+    outs, wanted = [], []
+    for batch in (16, 17, 3, 64, 64, 1, 96):
+        kv_lens = [int(x) for x in torch.randint(0, 1500, (batch,), generator=gen)]
+        kv_lens[0] = max(kv_lens[0], 1)
+        table = _table(gen, kv_lens, num_pages)
+        q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16).cuda()
+        big @ big  # the plan's copy and the run queue behind it
+        kept_w.plan(*(t.cpu() for t in table), hq, hkv, d, ps, q_data_type=torch.bfloat16)
+        outs.append(kept_w.run(q, cache))
+        fresh = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws),
+                                                             use_tensor_cores=use_tensor_cores, backend="triton")
+        fresh.plan(*(t.cpu() for t in table), hq, hkv, d, ps, q_data_type=torch.bfloat16)
+        wanted.append(fresh.run(q, cache))
+    torch.cuda.synchronize()
+    for i, (got, want) in enumerate(zip(outs, wanted)):
+        assert torch.equal(got, want), i

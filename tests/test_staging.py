@@ -77,3 +77,65 @@ def test_launch_sizes_match_triton():
         assert next_pow2(n) == triton.next_power_of_2(n), n
         for b in (1, 3, 16, 64):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def _plan_like(batch, pages):
+    import numpy as np
+    rng = np.random.default_rng(batch * 1000 + pages)
+    return dict(work=rng.integers(0, 1 << 20, 4 * batch, dtype=np.int32), num_work=np.array([batch], np.int32),
+                kv_indices=rng.permutation(pages).astype(np.int32), last_page_len=rng.integers(1, 17, batch,
+                                                                                               dtype=np.int32))
+
+
+def test_kept_layout_holds_rooms_while_arrays_fit():
+    """A wrapper's next plan lands at the same offsets while every array fits its room (powers of two, 64 bytes at
+    least, 16-byte aligned); a larger array or another set of names moves the layout."""
+    kept = staging.Kept()
+    layout, total, moved = staging._kept_layout(_plan_like(8, 100), kept)
+    assert moved and all(start % 64 == 0 for _, start, *_ in layout)
+    offsets = [start for _, start, *_ in layout]
+    for batch, pages in ((7, 90), (8, 128), (1, 1)):  # every array still fits its room
+        again, total2, moved = staging._kept_layout(_plan_like(batch, pages), kept)
+        assert not moved and [s for _, s, *_ in again] == offsets and total2 == total, (batch, pages)
+        assert [n for _, _, n, *_ in again] == [a.nbytes for a in _plan_like(batch, pages).values()]
+    _, _, moved = staging._kept_layout(_plan_like(8, 129), kept)  # kv_indices outgrows its 512-byte room
+    assert moved
+    arrays = _plan_like(8, 129)
+    del arrays["num_work"]
+    _, _, moved = staging._kept_layout(arrays, kept)
+    assert moved
+
+
+def test_kept_views_are_made_again_only_where_an_array_changed():
+    kept = staging.Kept()
+    layout, total, _ = staging._kept_layout(_plan_like(8, 100), kept)
+    blob = torch.zeros(total, dtype=torch.uint8)
+    first = staging._kept_views(blob, layout, kept)
+    layout2, _, moved = staging._kept_layout(_plan_like(8, 120), kept)
+    second = staging._kept_views(blob, layout2, kept)
+    assert not moved
+    for name in first:
+        assert (second[name] is first[name]) == (name != "kv_indices"), name
+    assert second["kv_indices"].numel() == 120 and second["work"].data_ptr() == blob.data_ptr()
+
+
+@pytest.mark.gpu
+def test_kept_device_copies_keep_every_value_across_plans():
+    """Plans one after another into one kept buffer, growing and shrinking, each read back by a kernel enqueued
+    before the next plan (as run() would): every read sees its own plan's values, through the driver's copy."""
+    kept = staging.Kept()
+    big = torch.randn(4096, 4096, device="cuda")
+    sizes = [(8, 100), (8, 120), (3, 20), (64, 2000), (64, 1990), (1, 1), (64, 2000)]
+    sent, read = [], []
+    for batch, pages in sizes:
+        big @ big  # the stream stays busy: the copies queue behind the work before them
+        arrays = _plan_like(batch, pages)
+        out = staging.to_device(arrays, "cuda", kept)
+        read.append({n: t.clone() for n, t in out.items()})  # enqueued now, on the same stream
+        sent.append(arrays)
+    torch.cuda.synchronize()
+    for arrays, got in zip(sent, read):
+        for name, a in arrays.items():
+            assert torch.equal(got[name].cpu(), torch.from_numpy(a)), name
+    assert (torch.device("cuda", torch.cuda.current_device()), True) in staging._rings
+    assert staging._get_driver() is not None
