@@ -45,8 +45,10 @@ def print_profile(fn, calls: int, sort: str, rows: int) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--batch", default="256x1024", help="requests x KV tokens each (pages of 16)")
     args = ap.parse_args()
-    batch, pages = 256, 64
+    batch, kv = map(int, args.batch.split("x"))
+    pages = kv // 16
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
     indices = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     last = torch.full((batch,), 16, dtype=torch.int32)
@@ -58,7 +60,7 @@ def main():
             w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
 
         best = best_us(plan, warmup=200, calls=300)
-        print(f"decode plan, batch 256, {'tensor-core' if tc else 'bandwidth'} route: {best:.1f} us", flush=True)
+        print(f"decode plan, batch {batch} kv {kv}, {'tensor-core' if tc else 'bandwidth'} route: {best:.1f} us", flush=True)
         if args.profile:
             print_profile(plan, 1000, os.environ.get("PROBE_SORT", "cumtime"), int(os.environ.get("PROBE_ROWS", "20")))
 

@@ -358,10 +358,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _install(self, entry: str, plan: DecodePlan) -> None:
         """Checks the workspace, then copies the plan's arrays to the device; raises before any write."""
         key = (plan.num_qo_heads, plan.head_dim)
-        # the views cost host time: an unsplit plan (nothing to check against the workspace) reuses them
-        if plan.num_slots or self._partials_memo is None or self._partials_memo[0] != key:
-            # a chain's slot holds q_len partial rows per query head
+        # a chain's slot holds q_len partial rows per query head; the views depend only on the key and cost host
+        # time (a torch call each), so they are made once per key and the slot count is checked on its own
+        if self._partials_memo is None or self._partials_memo[0] != key:
             self._partials_memo = (key, _partials(entry, self._workspace, plan.num_slots * plan.q_len, *key))
+        else:
+            _check_partials_room(entry, self._workspace, plan.num_slots * plan.q_len, *key)
         partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
         if FUSED_MERGE:  # allocated (zeroed) here, never inside run(): a captured graph must not re-zero it
@@ -375,7 +377,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 setattr(plan, name, t)
             self._plan = plan
             return
-        plan = replace(plan, **partials, **{n: torch.from_numpy(getattr(plan, n)) for n in _OWN_ARRAYS})
+        # the plan is this call's own: set in place (a replace() of the dataclass costs ~10 us of host time)
+        for name, t in (*partials.items(), *((n, torch.from_numpy(getattr(plan, n))) for n in _OWN_ARRAYS)):
+            setattr(plan, name, t)
         bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
         if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
@@ -386,13 +390,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if t.numel() > bufs[name].numel():
                 policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its {name} "
                                      f"buffer, which holds {bufs[name].numel()}.")
-        for name in names:  # every check passed: only now are the captured buffers overwritten
-            t = getattr(plan, name)
-            bufs[name][: t.numel()].copy_(t, non_blocking=True)
-            if name == "req_num_slots":
-                bufs[name][t.numel():].zero_()  # requests past the batch: nothing to merge
+        # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
+        arrays = {n: getattr(plan, n) for n in names}
+        slots = np.zeros(bufs["req_num_slots"].numel(), dtype=np.int32)  # requests past the batch: nothing to merge
+        slots[: plan.batch] = plan.req_num_slots.numpy()
+        arrays["req_num_slots"] = slots
+        staging.to_buffers(arrays, bufs)
         self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
-        self._plan = replace(plan, **{n: bufs[n] for n in names})
+        for name in names:
+            setattr(plan, name, bufs[name])
+        self._plan = plan
 
     def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
         cap = self._bufs["last_page_len"].numel()
@@ -521,16 +528,23 @@ def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) ->
     return workspace.numel() * workspace.element_size() // (4 * num_qo_heads * (head_dim + 1))
 
 
-def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int, head_dim: int) -> dict:
-    """fp32 partial outputs [cap, Hq, D] and LSEs [cap, Hq], carved from the caller's workspace.
-
-    The layout depends only on the workspace size and the heads, never on this plan's slot count, so a
-    captured CUDA graph keeps pointing at the right places after any re-plan."""
+def _check_partials_room(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int,
+                         head_dim: int) -> int:
+    """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's bytes."""
     have = workspace.numel() * workspace.element_size()
     need = 4 * num_slots * num_qo_heads * (head_dim + 1)
     if need > have:
         policy.refuse(entry, f"float_workspace_buffer holds {have} bytes but this plan's split-KV partial states "
                              f"need {need} bytes; pass a larger workspace (or disable_split_kv=True).")
+    return have
+
+
+def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int, head_dim: int) -> dict:
+    """fp32 partial outputs [cap, Hq, D] and LSEs [cap, Hq], carved from the caller's workspace.
+
+    The layout depends only on the workspace size and the heads, never on this plan's slot count, so a
+    captured CUDA graph keeps pointing at the right places after any re-plan."""
+    have = _check_partials_room(entry, workspace, num_slots, num_qo_heads, head_dim)
     if not workspace.is_contiguous():
         policy.refuse(entry, "float_workspace_buffer must be contiguous.")
     flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)

@@ -490,11 +490,8 @@ class _PrefillWrapper:
     def _install_graph_plan(self, plan: Plan) -> Plan:
         """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
         bufs = self.check_graph_plan(self._entry + ".plan", plan)
-        # Every check passed: only now are the captured buffers overwritten.
-        for name in _ARRAYS:
-            t = getattr(plan, name)
-            if t is not None:
-                bufs[name][: t.numel()].copy_(t, non_blocking=True)
+        # Every check passed: only now are the captured buffers overwritten (one staged copy: staging.to_buffers).
+        staging.to_buffers({n: getattr(plan, n) for n in _ARRAYS if getattr(plan, n) is not None}, bufs)
         self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
         return replace(plan, **{n: bufs[n] for n in _ARRAYS if getattr(plan, n) is not None})
 

@@ -57,10 +57,12 @@ class _Driver:
         self.check(self.lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
         return ev
 
-    def copy(self, dst: int, src: int, nbytes: int, device: torch.device, event) -> None:
-        stream = self.raw_stream(device.index)
-        self.check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
-        self.check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+    def copy(self, dst: int, src: int, nbytes: int, device: torch.device) -> None:
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, self.raw_stream(device.index)),
+                   "cuMemcpyHtoDAsync")
+
+    def record(self, event, device: torch.device) -> None:
+        self.check(self.lib.cuEventRecord(event, self.raw_stream(device.index)), "cuEventRecord")
 
     def wait(self, event) -> None:
         self.check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
@@ -105,9 +107,16 @@ class _PinnedRing:
         """The first nbytes of slot's pinned buffer into dst (a device uint8 tensor), on the current stream."""
         staged = self.buffers[slot][0]
         if self.driver is not None:
-            self.driver.copy(dst.data_ptr(), staged.data_ptr(), nbytes, device, self.events[slot])
+            self.driver.copy(dst.data_ptr(), staged.data_ptr(), nbytes, device)
         else:
             dst[:nbytes].copy_(staged[:nbytes], non_blocking=True)
+        self.copied(slot, device)
+
+    def copied(self, slot: int, device: torch.device) -> None:
+        """Records slot's copies so far: stage() waits for them before refilling it."""
+        if self.driver is not None:
+            self.driver.record(self.events[slot], device)
+        else:
             event = self.events[slot] or torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self.events[slot] = event
@@ -172,6 +181,49 @@ def unpack(blob: torch.Tensor, layout) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _ring(device: torch.device) -> _PinnedRing:
+    """device's pinned ring; through the driver only for the current device (the driver's current context)."""
+    fast = device.index == torch.cuda.current_device()
+    ring = _rings.get((device, fast))
+    if ring is None:
+        ring = _rings[(device, fast)] = _PinnedRing(_get_driver() if fast else None)
+    return ring
+
+
+def to_buffers(arrays: Dict[str, Union[torch.Tensor, np.ndarray]], bufs: Dict[str, torch.Tensor]) -> None:
+    """Each array (host or device) into the start of bufs[name] (tensors of its dtype, large enough, all on one
+    device: the buffers a captured graph reads): host arrays bound for CUDA packed into one pinned buffer, then one
+    driver copy each straight into its buffer (torch's copy_ of a slice costs two torch calls a buffer); anything
+    else by copy_."""
+    host = {}
+    for name, t in arrays.items():
+        t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+        if t.device.type == "cpu" and bufs[name].device.type == "cuda":
+            host[name] = t
+        else:
+            bufs[name][: t.numel()].copy_(t, non_blocking=True)
+    if not host:
+        return
+    arrays_np = _host_arrays(host)
+    device = bufs[next(iter(host))].device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    layout, total = _layout(arrays_np)
+    ring = _ring(device)
+    staged, staged_np, slot = ring.stage(max(total, _ALIGN))
+    _fill(staged_np, arrays_np, layout)
+    for name, start, nbytes, dtype, _ in layout:
+        if not nbytes:
+            continue
+        buf = bufs[name]
+        if ring.driver is not None and buf.dtype == dtype and buf.is_contiguous():
+            ring.driver.copy(buf.data_ptr(), staged.data_ptr() + start, nbytes, device)
+        else:  # torch's copy_ follows any strides and converts any dtype
+            flat = buf.view(-1) if buf.is_contiguous() else buf  # the buffers are 1-D
+            flat[: nbytes // dtype.itemsize].copy_(staged[start:start + nbytes].view(dtype), non_blocking=True)
+    ring.copied(slot, device)
+
+
 def _kept_layout(arrays: Dict[str, np.ndarray], kept: Kept):
     """_layout's (layout, total) with each array at the start of its room (a power of two of at least 64 bytes,
     kept while the array fits and the arrays are the same names), and whether any room moved."""
@@ -226,11 +278,7 @@ def to_device(arrays: Dict[str, Union[torch.Tensor, np.ndarray, None]],
             blob = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
         end = layout[-1][1] + layout[-1][2]  # the last array's last byte: rooms past it are not copied
         if end:
-            # the driver path only for the current device (the driver's current context is that device's)
-            fast = device.index == torch.cuda.current_device()
-            ring = _rings.get((device, fast))
-            if ring is None:
-                ring = _rings[(device, fast)] = _PinnedRing(_get_driver() if fast else None)
+            ring = _ring(device)
             staged, staged_np, slot = ring.stage(end)
             _fill(staged_np, arrays_np, layout)
             ring.copy(slot, blob, end, device)

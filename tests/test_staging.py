@@ -139,3 +139,26 @@ def test_kept_device_copies_keep_every_value_across_plans():
             assert torch.equal(got[name].cpu(), torch.from_numpy(a)), name
     assert (torch.device("cuda", torch.cuda.current_device()), True) in staging._rings
     assert staging._get_driver() is not None
+
+
+@pytest.mark.gpu
+def test_to_buffers_writes_each_array_at_its_buffers_start():
+    """Re-plans under CUDA graphs write into the captured buffers: host arrays (numpy and torch) through one staged
+    copy, a CUDA tensor by copy_, a strided buffer through torch; the bytes past each array stay as they were."""
+    import numpy as np
+    gen = torch.Generator().manual_seed(5)
+    strided_base = torch.full((64,), -7, dtype=torch.int32, device="cuda")
+    bufs = dict(a=torch.full((40,), -7, dtype=torch.int32, device="cuda"), b=strided_base[::2],
+                c=torch.full((9,), -7, dtype=torch.int64, device="cuda"),
+                d=torch.full((16,), -7, dtype=torch.int32, device="cuda"))
+    arrays = dict(a=np.arange(33, dtype=np.int32) * 3, b=torch.randint(0, 99, (17,), generator=gen, dtype=torch.int32),
+                  c=torch.randint(0, 1 << 40, (5,), generator=gen, dtype=torch.int64),
+                  d=torch.arange(11, dtype=torch.int32, device="cuda"))
+    torch.randn(4096, 4096, device="cuda") @ torch.randn(4096, 4096, device="cuda")  # the copies queue behind it
+    staging.to_buffers(arrays, bufs)
+    torch.cuda.synchronize()
+    for name, t in arrays.items():
+        t = torch.as_tensor(t).cpu()
+        got = bufs[name].cpu()
+        assert torch.equal(got[: t.numel()], t) and bool((got[t.numel():] == -7).all()), name
+    assert bool((strided_base[1::2] == -7).all())
