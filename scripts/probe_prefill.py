@@ -33,6 +33,7 @@ def main():
                     " timed in turn, --rounds times each, on the same inputs in this process")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also each kernel's device time a call (CUDA profiler)")
+    ap.add_argument("--non-causal", action="store_true", help="every query sees every key (TFLOP/s counts them all)")
     ap.add_argument("--full-bf16", action="store_true", help="a bf16 cache of torch.randn values (default: the e4m3 "
                     "cache's values widened, so bf16 and fp8 kinds share inputs; fewer mantissa bits toggle)")
     args = ap.parse_args()
@@ -55,7 +56,7 @@ def probe(args):
         indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
         last = torch.full((batch,), PS, dtype=torch.int32)
         one = torch.ones(1, device="cuda")
-        flops = 2 * batch * s * s * HQ * D
+        flops = (4 if args.non_causal else 2) * batch * s * s * HQ * D
         for kind in args.kinds.split(","):
             qd = e4m3 if kind == "fp8" else torch.bfloat16
             kd = torch.bfloat16 if kind == "bf16" else e4m3
@@ -67,7 +68,7 @@ def probe(args):
             def make_fn():  # planned anew for each --ab setting (some knobs are read at plan time)
                 w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
                     torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
-                w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd,
+                w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=not args.non_causal, q_data_type=qd,
                        kv_data_type=kd)
                 if kind == "fp8":
                     return w, lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)
