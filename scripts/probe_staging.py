@@ -2,29 +2,15 @@
 made of): torch's copy_ from pinned memory against the driver's cuMemcpyHtoDAsync called through ctypes, the
 current stream through torch and raw, an event record both ways, a slice.
 
-    PYTHONPATH=$PWD python3 scripts/probe_staging.py
+    PYTHONPATH=$PWD:$PWD/scripts python3 scripts/probe_staging.py
 """
 import ctypes
-import time
 
 import numpy as np
 import torch
 
+from probe_host import per_call_us  # scripts/, beside this file
 from serveattn import staging
-
-
-def per_call_us(fn, n=300, rounds=5):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def main():
