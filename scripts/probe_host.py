@@ -27,6 +27,7 @@ import triton.language as tl
 import triton.testing
 
 import serveattn
+from host_timing import best_us  # scripts/, beside this file
 from serveattn import staging
 from serveattn.kernels import decode as decode_kernel
 from serveattn.kernels import launch as fast_launch
@@ -47,17 +48,7 @@ def _flashinfer():
 def per_call_us(fn, n=300, rounds=5):
     """Host microseconds a call: the best of `rounds` rounds of n calls (the H200 hosts are noisy: single rounds of
     one probe read 28-46 us for the same call in session 19), after 20 warm-up calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
+    return best_us(fn, 20, n, rounds, sync=torch.cuda.synchronize)
 
 
 def profile(label, fn, n=300):

@@ -10,26 +10,14 @@ import argparse
 import cProfile
 import os
 import pstats
-import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
+from host_timing import best_us  # noqa: E402  (scripts/, beside this file)
+
 import serveattn  # noqa: E402
-
-
-def best_us(fn, warmup: int, calls: int, rounds: int = 7) -> float:
-    """Microseconds a call of fn: the best of `rounds` timings of `calls` calls, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
 
 
 def print_profile(fn, calls: int, sort: str, rows: int) -> None:

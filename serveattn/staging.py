@@ -197,11 +197,11 @@ def to_buffers(arrays: Dict[str, Union[torch.Tensor, np.ndarray]], bufs: Dict[st
     else by copy_."""
     host = {}
     for name, t in arrays.items():
-        t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-        if t.device.type == "cpu" and bufs[name].device.type == "cuda":
+        if (isinstance(t, np.ndarray) or t.device.type == "cpu") and bufs[name].device.type == "cuda":
             host[name] = t
         else:
-            bufs[name][: t.numel()].copy_(t, non_blocking=True)
+            src = torch.as_tensor(t)
+            bufs[name][: src.numel()].copy_(src, non_blocking=True)
     if not host:
         return
     arrays_np = _host_arrays(host)
@@ -290,21 +290,13 @@ def to_device(arrays: Dict[str, Union[torch.Tensor, np.ndarray, None]],
 
 
 def _kept_views(blob: torch.Tensor, layout, kept: Kept) -> Dict[str, torch.Tensor]:
-    """unpack's views of blob, the ones made last time for the same (offset, bytes, dtype, shape) reused."""
-    out, views, typed = {}, kept.views, {}
-    for entry in layout:
-        name, start, nbytes, dtype, shape = entry
-        made = views.get(name)
-        if made is not None and made[0] == entry:
-            out[name] = made[1]
-            continue
-        if dtype not in typed:
-            typed[dtype] = blob.view(dtype)
-        size = dtype.itemsize
-        t = typed[dtype][start // size:(start + nbytes) // size]
-        out[name] = t if len(shape) == 1 else t.view(shape)
-        views[name] = (entry, out[name])
-    return out
+    """unpack's views of blob, made again only for entries (offset, bytes, dtype, shape) that changed."""
+    views = kept.views
+    stale = [entry for entry in layout if views.get(entry[0], (None,))[0] != entry]
+    if stale:
+        for entry, view in zip(stale, unpack(blob, stale).values()):
+            views[entry[0]] = (entry, view)
+    return {entry[0]: views[entry[0]][1] for entry in layout}
 
 
 _TORCH = {np.dtype(np.int8): torch.int8, np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16,
