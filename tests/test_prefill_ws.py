@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from serveattn.kernels import attention_ws as ws
+from serveattn.kernels.common import ROWSUM_MMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,9 +30,13 @@ def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, softmax_f
     # two consumer groups, each: S(0) before the loop, S(j+1) and P.V(j) in it, the last P.V after it (head_dim / 16
     # and BLOCK_N / 16 k-steps)
     k_step = 32 if dtype.startswith("fp8") else 16  # a wgmma reads 32 bytes of each row
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // k_step + 2 * ws.BLOCK_N.value // k_step)
+    # fp8 (common.ROWSUM_MMA 2): each P.V has a row-sum twin, P in f16 times ones (BLOCK_N / 16 k-steps)
+    row_sum = 2 * ws.BLOCK_N.value // 16 if dtype.startswith("fp8") and ROWSUM_MMA.value == 2 else 0
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // k_step + 2 * ws.BLOCK_N.value // k_step
+                                                             + row_sum)
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)  # P.V(j) stays in flight over softmax(j+1)
+    # P.V(j) (and its row-sum twin) stays in flight over softmax(j+1)
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+%d;" % (2 if row_sum else 1), ptx)
     assert str(ws.PRODUCER_REGS.value) in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx)
     assert (len(re.findall(r"fma\.rn\.f32", ptx)) > 0) == (softmax_fma == "1")  # fp contraction is off otherwise
     # fp8 at head dim 128 branches around the accumulator's rescale when both of a thread's row maxima stayed

@@ -22,7 +22,8 @@ except (ImportError, AttributeError):
     attention_ws = None
 from . import gather, replay
 from .. import knobs
-from .common import EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA, mma, narrow, to_dtype, vt_column, widen
+from .common import (EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma, narrow,
+                     to_dtype, vt_column, widen)
 from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -191,7 +192,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         p = tl.exp2(x - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    if FOLD:
+    ROWSUM: tl.constexpr = ROWSUM_MMA and dtype.is_fp8()  # l is P x ones, below (common.ROWSUM_MMA)
+    if ROWSUM:
+        l_i = l_i
+    elif FOLD:
         l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / P_SCALE)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -214,6 +218,13 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         p_op = to_dtype(p, v.dtype)
     acc = mma(p_op, v, acc * alpha[:, None])
+    if ROWSUM:  # [rows, ROWSUM_N], every column the row's sum of P (as rounded for the product above, or in f16)
+        if ROWSUM_MMA == 1:
+            ones = narrow(tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float32), tl.float8e4nv)
+            l_i = mma(p_op, ones, l_i * alpha[:, None])
+        else:
+            ones = tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float16)
+            l_i = mma(to_dtype(p if FOLD else p * P_SCALE, tl.float16), ones, l_i * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -307,7 +318,10 @@ def prefill_kernel(
             mid_hi = hi_pad
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if ROWSUM_MMA and FP8_QKV:
+            l_i = tl.zeros([BLOCK_M, ROWSUM_N], dtype=tl.float32)
+        else:
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for n0 in range(lo, mid_lo, BLOCK_N):
             acc, l_i, m_i = _attend(
@@ -334,6 +348,8 @@ def prefill_kernel(
                 PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
                 HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
 
+        if ROWSUM_MMA and FP8_QKV:  # in P's units, as the warp-specialized kernel's
+            l_i = tl.max(l_i, 1) * (1.0 / P_SCALE)
         out, lse = _finish(acc, l_i, m_i, out_scale)
         o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         dv = tl.arange(0, HEAD_DIM)

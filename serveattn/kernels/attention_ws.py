@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .. import knobs
 from ..policy import FP8_DTYPES, cuda_properties
-from .common import FP8_KEY_ORDER, LAUNCH_OPTIONS, SOFTMAX_FMA
+from .common import FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, SOFTMAX_FMA
 from . import replay
 from .launch import Pack
 from .sizes import cdiv
@@ -65,6 +65,10 @@ KNOCK_EXP = gl.constexpr("exp" in _KNOCKOUT)
 KNOCK_PV = gl.constexpr("pv" in _KNOCKOUT)
 KNOCK_KV = gl.constexpr("kv" in _KNOCKOUT)
 KNOCK_MASK = gl.constexpr("mask" in _KNOCKOUT)
+# common.ROWSUM_MMA (SERVEATTN_FP8_ROWSUM_MMA, default 2): fp8's row sum off the issue slots, P (f16; 1: the e4m3
+# P.V reads) times a [keys, 8] tile of ones, accumulated and rescaled like the output (64 FADD and two shuffle
+# rounds a thread a block become one small wgmma)
+ROWSUM_N = gl.constexpr(8)
 # fp8: a thread skips the accumulator's rescale when the row max of both its rows stayed (bits unchanged: _rescale)
 SKIP_RESCALE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_SKIP_RESCALE", "1") == "1")
 CONSUMER_REGS = gl.constexpr(240)
@@ -226,7 +230,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale, p_layout: gl.constexpr,
-                   dtype: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                   dtype: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, ps_layout: gl.constexpr):
     """Block j's logits folded into the running (m_i, l_i): returns P as P.V's A operand, the accumulator's
     rescale factor, m_i, l_i. prefill_kernel's _attend, op for op. FP8: qk_scale is a per-row column (descales
     per head) and P goes to the tensor cores as P * P_SCALE in e4m3."""
@@ -270,7 +274,9 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if not KNOCK_EXP:
             p = gl.exp2(p)
         alpha = gl.exp2(m_i - m_safe)
-        if KNOCK_ROWSTATS:
+        if ROWSUM_MMA > 0 and FP8:  # the sum is a wgmma of _consume's
+            l_i = l_i
+        elif KNOCK_ROWSTATS:
             l_i = l_i * alpha
         elif SOFTMAX_FMA and FP8:
             l_i = l_i * alpha + gl.sum(p, 1) * (1.0 / P_SCALE)
@@ -286,7 +292,12 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         else:
             p_op = p.to(dtype)
         p_op = gl.convert_layout(p_op, p_layout)
-    return p_op, alpha, m_new, l_i
+    if ROWSUM_MMA == 2 and FP8:  # the row sum's A operand: P * P_SCALE in f16 (11 bits: l as exact as an fp32 sum's
+        # bound needs), in the 16-bit operand layout of the accumulator (a relabelling)
+        p_sum = gl.convert_layout((p if SOFTMAX_FMA else p * P_SCALE).to(gl.float16), ps_layout)
+    else:
+        p_sum = alpha  # not read
+    return p_op, alpha, m_new, l_i, p_sum
 
 
 def _rescale_asm(n: int) -> str:
@@ -365,6 +376,15 @@ def _p_operand(p_op, p_layout: gl.constexpr, PACKED: gl.constexpr):
 
 
 @gluon.jit
+def _sum_operand(p_in, p_sum, pl_layout: gl.constexpr):
+    """The row sum's A operand: P.V's e4m3 operand relabelled (ROWSUM_MMA 1) or _softmax_block's f16 P (2)."""
+    if ROWSUM_MMA == 1:
+        return gl.convert_layout(p_in, pl_layout)
+    else:
+        return p_sum
+
+
+@gluon.jit
 def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, V_T: gl.constexpr):
     """Waits for V block j in stage st and returns it as P.V's B operand; zeroes its rows past kv_len (P is 0
     there; 0 * NaN is not) unless it is a V^T tile (zero-filled there already)."""
@@ -383,7 +403,7 @@ def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, V_T
 
 
 @gluon.jit
-def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
@@ -404,6 +424,11 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                  k_width=32 // dtype.primitive_bitwidth)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    RS: gl.constexpr = ROWSUM_MMA > 0 and FP8  # the row sum as P x ones on the tensor cores (1: e4m3 P, 2: f16 P)
+    SUM_K: gl.constexpr = K_STEP if ROWSUM_MMA == 1 else 16
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, ROWSUM_N, SUM_K])
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2 if SUM_K == 16 else 4)
 
     num_tasks = gl.load(num_work_ptr) * KV_HEADS
     if K_SCALE_PTR:  # a one-element device tensor, read here so a captured graph follows its value
@@ -450,6 +475,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        lsum = gl.zeros([ROWS, ROWSUM_N], gl.float32, l_layout)
         if n_blocks > 0:
             # FA3's order: S(j+1) and P.V(j) issued back to back while this group holds the turn (the other group
             # is in its softmax), then this group's softmax of block j+1 while both run.
@@ -459,8 +485,8 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                               s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             mbarrier.arrive(k_empty.index(st), count=1)
-            p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok,
-                                                   row_qk_scale, p_layout, dtype, CAUSAL, FP8)
+            p_op, alpha, m_i, l_i, p_sum = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok,
+                                                          row_qk_scale, p_layout, dtype, CAUSAL, FP8, pl_layout)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             for j in range(n_blocks - 1):
                 g = done + j
@@ -476,28 +502,49 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                 v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, j, kv_len, io_layout, FP8)
                 if not KNOCK_PV:
                     acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
+                if RS:
+                    lsum = lsum * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+                    lsum = warpgroup_mma(_sum_operand(p_in, p_sum, pl_layout), ones_smem.permute((1, 0)), lsum,
+                                         is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
-                s = warpgroup_mma_wait(num_outstanding=0 if KNOCK_PV else 1, deps=(s,))  # S(j+1); P.V(j) may still run
+                # S(j+1); P.V(j) (and the row sum's product) may still run
+                s = warpgroup_mma_wait(num_outstanding=(0 if KNOCK_PV else 1) + (1 if RS else 0), deps=(s,))
                 mbarrier.arrive(k_empty.index(nst), count=1)
-                p_op, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j + 1, n_full, kv_len, row_ok, delta, tok,
-                                                       row_qk_scale, p_layout, dtype, CAUSAL, FP8)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
+                p_op, alpha, m_i, l_i, p_sum = _softmax_block(s, m_i, l_i, j + 1, n_full, kv_len, row_ok, delta,
+                                                              tok, row_qk_scale, p_layout, dtype, CAUSAL, FP8,
+                                                              pl_layout)
+                if RS:
+                    acc, lsum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lsum))  # P.V(j), its row sum
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # P.V(j)
                 mbarrier.arrive(v_empty.index(st), count=1)
                 if FP8 and FP8_KEY_ORDER:
                     # P(j+1)'s words were made while P.V(j) read P(j)'s; carried as they are, ptxas gives both one
                     # set of registers and serializes every wgmma (C7513). A copy once P.V(j) is done keeps them apart.
                     p_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_op], dtype=gl.int32,
                                                      is_pure=False, pack=1)
+                if RS and ROWSUM_MMA == 2:  # the same for the sum's f16 operand
+                    p_sum = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_sum], dtype=gl.float16,
+                                                      is_pure=False, pack=2)
             if Q_TMA:  # every q.K^T of the item has completed: the producer may refill the buffer
                 mbarrier.arrive(q_empty.index(items % 2), count=1)
             g = done + n_blocks - 1
             st = g % STAGES
             acc = _rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), FP8)
             v_op = _v_ready(v_smem, v_ready, st, (g // STAGES) & 1, n_blocks - 1, kv_len, io_layout, FP8)
+            p_in = _p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER)
             if not KNOCK_PV:
-                acc = warpgroup_mma(_p_operand(p_op, p_layout, FP8 and FP8_KEY_ORDER), v_op, acc, is_async=True)
-            out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
+            if RS:
+                lsum = lsum * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+                lsum = warpgroup_mma(_sum_operand(p_in, p_sum, pl_layout), ones_smem.permute((1, 0)), lsum,
+                                     is_async=True)
+                out_acc, lsum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lsum))
+                # every column holds the row's sum of P * P_SCALE (as e4m3 or f16): l in P's units
+                l_i = gl.convert_layout(gl.max(lsum, 1), row_layout) * (1.0 / P_SCALE)
+            else:
+                out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
         elif Q_TMA:
             mbarrier.arrive(q_empty.index(items % 2), count=1)
@@ -522,7 +569,7 @@ def _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
 
 
 @gluon.jit
-def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+def _consume_second(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
@@ -530,7 +577,7 @@ def _consume_second(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                     GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                     RETURN_LSE: gl.constexpr, K_SCALE_PTR: gl.constexpr, V_SCALE_PTR: gl.constexpr,
                     FP8: gl.constexpr, turn, q_ready, q_empty, Q_TMA: gl.constexpr, KV_HEADS: gl.constexpr):
-    _consume(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+    _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
              Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
              work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
              qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
@@ -563,6 +610,15 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if ROWSUM_MMA > 0 and FP8:  # the row sum's B operand: [8, keys] of ones (keys contiguous, as fp8 wgmma reads B)
+        ones_dtype: gl.constexpr = gl.float8e4nv if ROWSUM_MMA == 1 else gl.float16
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWSUM_N, BLOCK_N], ones_dtype)
+        ones = gl.full([ROWSUM_N, BLOCK_N], 1.0, gl.float32,
+                       gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])).to(ones_dtype)
+        ones_smem = gl.allocate_shared_memory(ones_dtype, [ROWSUM_N, BLOCK_N], ones_layout, value=ones)
+        fence_async_shared()
+    else:
+        ones_smem = k_smem  # not read
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -581,14 +637,14 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer group
     gl.warp_specialize([
-        (_consume, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        (_consume, (q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
                     Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                     work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                     qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale, q_descale_stride,
                     kv_descale_stride, 0,
                     GROUP, PAGE_SIZE, PAGED, CAUSAL, RETURN_LSE, K_SCALE_PTR, V_SCALE_PTR, FP8, turn, 0, q_ready,
                     q_empty, Q_TMA, KV_HEADS)),
-        (_consume_second, (q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+        (_consume_second, (q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_empty,
                            Q, O, LSE, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
                            work, num_work_ptr, qo_indptr, kv_indptr, last_page_len,
                            qk_scale, v_scale, k_scale_ptr, v_scale_ptr, q_descale, k_descale, v_descale,
