@@ -23,7 +23,7 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
-from .prefill import _cache_views, _pair_views
+from .prefill import _cache_views, _pair_views, _plain_run
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -440,7 +440,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.refuse(entry, "run() was called before plan().")
         kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
             else _pair_views(paged_kv_cache, self._kv_layout)
-        if kv is not None and _plain_run(plan, q, kv, out, self._kv_layout):
+        if kv is not None and _plain_run(plan, q, kv, out, self._kv_layout, plan.batch * plan.q_len):
             k, v, kv_strides = kv[:3]
             if lse is not None:
                 policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
@@ -555,22 +555,6 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
     width = cap * num_qo_heads
     return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
                 part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))
-
-
-def _plain_run(plan, q, kv, out, kv_layout) -> bool:
-    """Whether _check_run passes q, the K/V of _cache_views or _pair_views, and out (lse and the scales aside), in
-    the common case: True only where it would; False leaves it to _check_run."""
-    _, _, _, kv_dtype, kv_device, kv_shape, kv_last_stride = kv
-    device = plan.device
-    want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
-        (plan.num_kv_heads, plan.page_size, plan.head_dim)
-    shape = (plan.batch * plan.q_len, plan.num_qo_heads, plan.head_dim)
-    return (isinstance(q, torch.Tensor) and q.shape == shape and q.dtype == plan.q_dtype and q.device == device
-            and q.stride()[2] == 1
-            and kv_dtype == plan.kv_dtype and kv_device == device and kv_shape[1:] == want
-            and kv_last_stride == 1 and plan.max_page < kv_shape[0]
-            and (out is None or isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == plan.o_dtype
-                 and out.device == device and out.stride()[2] == 1))
 
 
 def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):

@@ -373,15 +373,15 @@ def _pair_views(cache, kv_layout: str):
     return k, v, (s[0], s[1], s[2]) if kv_layout == "NHD" else (s[0], s[2], s[1]), dtype, device, shape, s[3]
 
 
-def _plain_run(plan, q, kv, out, kv_layout) -> bool:
-    """Whether the paged run()'s checks (the cache's shape and pages, then _check_run) pass q, the K/V of
-    _cache_views or _pair_views, and out (lse and the scales aside), in the common case: True only where they
-    would; False leaves it to them."""
+def _plain_run(plan, q, kv, out, kv_layout, rows: int) -> bool:
+    """Whether the paged run()'s checks (the cache's shape and pages, then _check_run; decode's run() the same)
+    pass q of `rows` rows, the K/V of _cache_views or _pair_views, and out (lse and the scales aside), in the
+    common case: True only where they would; False leaves it to them."""
     _, _, _, kv_dtype, kv_device, kv_shape, kv_last_stride = kv
     device = plan.device
     want = (plan.page_size, plan.num_kv_heads, plan.head_dim) if kv_layout == "NHD" else \
         (plan.num_kv_heads, plan.page_size, plan.head_dim)
-    shape = (plan.total_q, plan.num_qo_heads, plan.head_dim)
+    shape = (rows, plan.num_qo_heads, plan.head_dim)
     return (q.__class__ is torch.Tensor and q.shape == shape and q.dtype == plan.q_dtype and q.device == device
             and q.stride()[2] == 1
             and kv_dtype == plan.kv_dtype and kv_device == device and kv_shape[1:] == want
@@ -672,7 +672,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         plan = self._plan
         kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
             else _pair_views(paged_kv_cache, self._kv_layout)
-        if plan is not None and kv is not None and _plain_run(plan, q, kv, out, self._kv_layout):
+        if plan is not None and kv is not None and _plain_run(plan, q, kv, out, self._kv_layout, plan.total_q):
             return self._run(q, kv[0], kv[1], out, lse, return_lse, k_scale, v_scale, descales, checked=True,
                              kv_stride_args=kv[2])
         # anything the plain checks do not pass: the full checks, which refuse or pass

@@ -405,6 +405,14 @@ def scale_args(scale, placeholder):
     return (1.0 if scale is None else float(scale)), placeholder, False
 
 
+def kv_scale_args(k_scale, v_scale, placeholder):
+    """scale_args of k_scale, then of v_scale, as one tuple of six (neither given, a serving step's usual call:
+    no further call)."""
+    if k_scale is None and v_scale is None:
+        return 1.0, placeholder, False, 1.0, placeholder, False
+    return scale_args(k_scale, placeholder) + scale_args(v_scale, placeholder)
+
+
 class Gathered(NamedTuple):
     """What copying a plan's pages into ragged rows takes (gather.gather_widen), made once per plan."""
     page_req: torch.Tensor  # the request of each kv_indices entry
@@ -489,13 +497,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         repeat = plan.launch_memo.get(replay.KEY)
         if repeat is not None and repeat(q, k, v, out, lse, grid0, gather_ok):
             return
-    if k_scale is None and v_scale is None:
-        ks = vs = 1.0
-        ks_ptr = vs_ptr = plan.work
-        ks_dev = vs_dev = False
-    else:
-        ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
-        vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
+    ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
     fp8 = descales is not None
     dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
     if kv_stride_args is None:

@@ -13,7 +13,7 @@ run.
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_strides, scale_args
+from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_scale_args, kv_strides
 from .common import LAUNCH_OPTIONS, to_dtype
 from .launch import Pack
 from .sizes import next_pow2
@@ -177,13 +177,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     """Decode launch, and the merge launch when the plan splits any request, unless done_count (int32 zeros, one
     per request and KV head, left zero by every launch) lets the decode kernel fold each split request itself.
     kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
-    if k_scale is None and v_scale is None:
-        ks = vs = 1.0
-        ks_ptr = vs_ptr = plan.work
-        ks_dev = vs_dev = False
-    else:
-        ks, ks_ptr, ks_dev = scale_args(k_scale, plan.work)
-        vs, vs_ptr, vs_dev = scale_args(v_scale, plan.work)
+    ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
     if kv_stride_args is None:
         sk = kv_strides(k, kv_layout, plan.paged)
         sv = kv_strides(v, kv_layout, plan.paged)
