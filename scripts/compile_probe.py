@@ -103,8 +103,13 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_di
     q_layout = gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype)
     constexprs = dict(GROUP=group, PAGE_SIZE=page_size, BOX=box, PAGED=paged, CAUSAL=causal, RETURN_LSE=lse,
                       K_SCALE_PTR=False, V_SCALE_PTR=False, FP8=fp8, Q_TMA=True, KV_HEADS=8)
-    sig = {}
-    for name in kernel.arg_names:
+    # as a real launch specializes them: a stride of 1 is a constant, pointers and the q / out / lse row strides
+    # are divisible by 16 (without that no store is vectorized)
+    constexprs["stride_lh"] = 1
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in ("Q", "O", "LSE", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_lt"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if name in constexprs:
             sig[name] = "constexpr"
         elif name == "q_desc":
@@ -126,7 +131,8 @@ def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_di
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    src = GluonASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
+    src = GluonASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                         attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=ws.MAX_REGS, **LAUNCH_OPTIONS))
 

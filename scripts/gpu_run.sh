@@ -22,6 +22,7 @@
 #   scripts/gpu_run.sh probe-fast-launch     # decode/prefill GPU tests with SERVEATTN_FAST_LAUNCH=1, then run() host us off/on (~6 min)
 #   scripts/gpu_run.sh probe-fp8-key-order   # fp8 GPU tests with SERVEATTN_FP8_KEY_ORDER=1, then fp8 prefill 1/0 alternating (on since session 13)
 #   scripts/gpu_run.sh fi-setup probe-host     # decode plan/run host us, ours and FlashInfer's, same process
+#   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -52,8 +53,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace" >&2; exit 2 ;;
   esac
 done
 
@@ -144,6 +145,12 @@ step_probe_host() {  # decode plan()/run() host us (and FlashInfer's, after fi-s
 
 step_probe_host_prefill() {  # prefill run() host us against its GPU time and the bare launch (PROBE_HOST_ARGS: --profile)
   timeout "${PROBE_HOST_TIMEOUT:-120}" python3 scripts/probe_host.py --prefill ${PROBE_HOST_ARGS:-} 2>&1 | tee "$OUT/probe-host-prefill.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_ws_trace() {  # warp-specialized prefill: where a task's cycles go (SERVEATTN_PREFILL_WS_TRACE stamps)
+  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_ws_trace.py ${PROBE_ARGS:-} 2>&1 \
+    | grep -v "Warn\|warn_once" | tee "$OUT/probe-ws-trace.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -358,6 +365,7 @@ for s in "${STEPS[@]}"; do
     fi-warm) step_fi_warm ;;
     probe-host) step_probe_host ;;
     probe-host-prefill) step_probe_host_prefill ;;
+    probe-ws-trace) step_probe_ws_trace ;;
     probe-fp8-key-order) step_probe_fp8_key_order ;;
     fi-save-cache) step_fi_save_cache ;;
   esac

@@ -62,6 +62,22 @@ def test_fp8_key_order_hands_p_over_without_lane_shuffles(tmp_path):
     assert shuffles["1"] < shuffles["0"], shuffles
 
 
+def test_measuring_switches_compile(tmp_path):
+    """The measuring switches keep compiling: SERVEATTN_PREFILL_WS_TRACE (%clock64 stamps into the LSE buffer,
+    scripts/probe_ws_trace.py) and SERVEATTN_PREFILL_WS_EPILOGUE_SMEM (the output through shared memory: 16-byte
+    stores, 8 a thread, instead of 32 of 4 bytes)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, SERVEATTN_PREFILL_WS_TRACE="1", SERVEATTN_PREFILL_WS_EPILOGUE_SMEM="1")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
+           "--q", "bf16", "--dump", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = (tmp_path / "prefill-ws.ptx").read_text()
+    assert "%clock64" in ptx
+    # two consumer groups, 8 stores each of 16-byte pieces of whole rows
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 2 * 8
+
+
 def test_not_served_off_the_gpu():
     q = torch.zeros(4, 8, 128, dtype=torch.bfloat16)
     assert ws.serves(q, q, q, plan=None, descales=None) is False

@@ -65,6 +65,16 @@ KNOCK_EXP = gl.constexpr("exp" in _KNOCKOUT)
 KNOCK_PV = gl.constexpr("pv" in _KNOCKOUT)
 KNOCK_KV = gl.constexpr("kv" in _KNOCKOUT)
 KNOCK_MASK = gl.constexpr("mask" in _KNOCKOUT)
+# Measuring only (the LSE is not written; scripts/probe_ws_trace.py): SERVEATTN_PREFILL_WS_TRACE=1 has each consumer
+# group write TRACE_SLOTS %clock64 stamps a task into the LSE buffer (read as int64, row (task * 2 + group)): the
+# task's start, S(0) issued, S(0) done, softmax(0) done, the block loop done, the last P.V done, the output stored,
+# then n_blocks + (SM id << 32). Where a task's fixed cost goes, beside the per-block time.
+TRACE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_TRACE", "0") == "1")
+TRACE_SLOTS = gl.constexpr(8)
+# SERVEATTN_PREFILL_WS_EPILOGUE_SMEM=1 (measuring): the output tile goes from the accumulator's layout through shared
+# memory into a layout of 16-byte pieces of whole rows before its stores: 8 coalesced stores a thread instead of 32
+# 4-byte ones that each touch 8 rows (the trace, session 21: the epilogue took ~1700-2100 cycles a task, 7% of it)
+EPILOGUE_SMEM = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_EPILOGUE_SMEM", "0") == "1")
 # common.ROWSUM_MMA (SERVEATTN_FP8_ROWSUM_MMA, default 2): fp8's row sum off the issue slots, P (f16; 1: the e4m3
 # P.V reads) times a [keys, 8] tile of ones, accumulated and rescaled like the output (64 FADD and two shuffle
 # rounds a thread a block become one small wgmma)
@@ -74,6 +84,14 @@ SKIP_RESCALE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_SKIP_RESCALE", 
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fills the register file
+
+
+@gluon.jit
+def _stamp(LSE, t, CID: gl.constexpr, slot: gl.constexpr):
+    """TRACE: this group's %clock64 as stamp `slot` of task t (see TRACE)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(LSE.to(gl.pointer_type(gl.int64)) + (t * 2 + CID) * TRACE_SLOTS + slot, now)
 
 
 @gluon.jit
@@ -442,6 +460,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
     items = 0
     for r in range(_num_rounds(num_tasks)):
         t = _task(r)
+        _stamp(LSE, t, CID, 0)
         w = t // KV_HEADS
         kvh = t % KV_HEADS
         tile, q_start, qo_len, kv_base, kv_len, delta, n_blocks, n_full = _item(
@@ -481,12 +500,15 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
             # is in its softmax), then this group's softmax of block j+1 while both run.
             st = done % STAGES
             mbarrier.wait(k_ready.index(st), (done // STAGES) & 1)
+            _stamp(LSE, t, CID, 1)
             s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32,
                               s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            _stamp(LSE, t, CID, 2)
             mbarrier.arrive(k_empty.index(st), count=1)
             p_op, alpha, m_i, l_i, p_sum = _softmax_block(s, m_i, l_i, 0, n_full, kv_len, row_ok, delta, tok,
                                                           row_qk_scale, p_layout, dtype, CAUSAL, FP8, pl_layout)
+            _stamp(LSE, t, CID, 3)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
             for j in range(n_blocks - 1):
                 g = done + j
@@ -527,6 +549,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                 if RS and ROWSUM_MMA == 2:  # the same for the sum's f16 operand
                     p_sum = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_sum], dtype=gl.float16,
                                                       is_pure=False, pack=2)
+            _stamp(LSE, t, CID, 4)
             if Q_TMA:  # every q.K^T of the item has completed: the producer may refill the buffer
                 mbarrier.arrive(q_empty.index(items % 2), count=1)
             g = done + n_blocks - 1
@@ -545,6 +568,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                 l_i = gl.convert_layout(gl.max(lsum, 1), row_layout) * (1.0 / P_SCALE)
             else:
                 out_acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _stamp(LSE, t, CID, 5)
             mbarrier.arrive(v_empty.index(st), count=1)
         elif Q_TMA:
             mbarrier.arrive(q_empty.index(items % 2), count=1)
@@ -555,12 +579,22 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
         empty = l_i == 0.0
         out_scale = gl.convert_layout(item_v_scale / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
         out = out_acc * out_scale[:, None]
-        o_rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        if EPILOGUE_SMEM:  # through shared memory into rows of 16-byte pieces (see EPILOGUE_SMEM)
+            out = gl.convert_layout(out.to(O.dtype.element_ty), io_layout)
+            st_layout: gl.constexpr = io_layout
+        else:
+            out = out.to(O.dtype.element_ty)
+            st_layout: gl.constexpr = o_layout
+        o_rows = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
         o_tok = o_rows // GROUP
-        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
         o_off = (q_start + o_tok).to(gl.int64) * stride_ot + (kvh * GROUP + o_rows % GROUP).to(gl.int64) * stride_oh
-        gl.store(O + o_off[:, None] + o_d[None, :], out.to(O.dtype.element_ty), mask=(o_tok < qo_len)[:, None])
-        if RETURN_LSE:
+        gl.store(O + o_off[:, None] + o_d[None, :], out, mask=(o_tok < qo_len)[:, None])
+        if TRACE:  # the LSE buffer holds the stamps instead
+            _stamp(LSE, t, CID, 6)
+            gl.store(LSE.to(gl.pointer_type(gl.int64)) + (t * 2 + CID) * TRACE_SLOTS + 7,
+                     n_blocks.to(gl.int64) + (gl.program_id(0).to(gl.int64) << 32))
+        elif RETURN_LSE:
             lse = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
             l_off = (q_start + tok).to(gl.int64) * stride_lt + (kvh * GROUP + rows % GROUP).to(gl.int64) * stride_lh
             gl.store(LSE + l_off, lse, mask=row_ok)
