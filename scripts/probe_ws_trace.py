@@ -1,7 +1,8 @@
 """Where a warp-specialized prefill task's time goes (GPU): the kernel built with SERVEATTN_PREFILL_WS_TRACE=1
 (kernels/attention_ws.py: each consumer group writes %clock64 stamps a task into the LSE buffer instead of the LSE),
-one warm traced call a case, then per (task, group): the item and first K wait, S(0), softmax(0), the steady block
-loop (per block), the last P.V, the epilogue, and the gap to the group's next task on the same SM. Cycles, and us at
+one warm traced call a case, then per (task, group): the wait for q, the item's loads, the wait for K(0), S(0),
+softmax(0), the steady block loop (per block), the last P.V, the epilogue, and the gap to the group's next task on the
+same SM. Cycles, and us at
 the clock the call implies (stamped cycles over the call's CUDA-event time).
 
     PYTHONPATH=$PWD python3 scripts/probe_ws_trace.py [--cases 1x4096,16x2048] [--kinds bf16,fp8]
@@ -20,8 +21,11 @@ import torch  # noqa: E402
 import serveattn  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-SLOTS = 8
-PARTS = ("item + K(0) wait", "S(0)", "softmax(0)", "block loop", "last P.V", "epilogue")
+SLOTS = 10
+# the stamps in time order (kernels/attention_ws.py TRACE) and the part each one closes
+ORDER = (0, 8, 9, 1, 2, 3, 4, 5, 6)
+PARTS = ("to q ready", "item loads", "K(0) wait", "S(0)", "softmax(0)", "block loop", "last P.V", "epilogue")
+LOOP = PARTS.index("block loop")
 
 
 def traced(case: str, kind: str):
@@ -66,11 +70,11 @@ def report(case: str, kind: str, stamps: np.ndarray, ms: float) -> None:
     n_blocks = stamps[:, :, 7] & 0xFFFFFFFF
     sm = stamps[:, :, 7] >> 32
     ran = (stamps[:, :, 0] >= 0) & (stamps[:, :, 6] >= 0)
-    busy = (stamps[:, :, 1:6] >= 0).all(axis=2) & ran & (n_blocks > 0)
+    busy = (stamps[:, :, list(ORDER)] >= 0).all(axis=2) & ran & (n_blocks > 0)
     span = max(int((stamps[:, :, 6][ran & (sm == p)]).max() - (stamps[:, :, 0][ran & (sm == p)]).min())
                for p in np.unique(sm[ran]))
     ghz = span / (ms * 1e6)  # cycles a ns: the longest SM's stamped span over the call's time
-    per = np.diff(stamps[:, :, :7], axis=2)  # [tasks, groups, 6]
+    per = np.diff(stamps[:, :, list(ORDER)], axis=2)  # [tasks, groups, parts]
     print(f"{case} {kind}: {ms * 1e3:.1f} us a call, {int(ran.sum() // 2)} tasks on {len(np.unique(sm[ran]))} "
           f"programs; longest SM span {span} cycles -> {ghz:.2f} GHz", flush=True)
     # SERVEATTN_PREFILL_WS_FLATTEN: a primed task's S(0) and softmax(0) ran at the previous task's end, stamped
@@ -100,7 +104,7 @@ def report(case: str, kind: str, stamps: np.ndarray, ms: float) -> None:
     for i, name in enumerate(PARTS):
         mean = parts[:, i].mean()
         print(f"    {name:18s} {mean:12.0f} {mean / ghz / 1e3:8.3f} {mean / total:6.1%}")
-    per_block = (parts[:, 3][nb > 1] / loop_blocks[nb > 1])
+    per_block = (parts[:, LOOP][nb > 1] / loop_blocks[nb > 1])
     fixed = total - (nb - 1).mean() * np.median(per_block)
     print(f"    block loop: {np.median(per_block):.0f} cycles a block (median; {np.median(per_block) / ghz / 1e3:.3f} "
           f"us), {nb.mean():.2f} blocks a task; task {total:.0f} cycles, of which fixed (all but the loop's "

@@ -68,9 +68,10 @@ KNOCK_MASK = gl.constexpr("mask" in _KNOCKOUT)
 # Measuring only (the LSE is not written; scripts/probe_ws_trace.py): SERVEATTN_PREFILL_WS_TRACE=1 has each consumer
 # group write TRACE_SLOTS %clock64 stamps a task into the LSE buffer (read as int64, row (task * 2 + group)): the
 # task's start, S(0) issued, S(0) done, softmax(0) done, the block loop done, the last P.V done, the output stored,
-# then n_blocks + (SM id << 32). Where a task's fixed cost goes, beside the per-block time.
+# n_blocks + (SM id << 32), then q's buffer ready (8) and the item's loads used (9). Where a task's fixed cost goes,
+# beside the per-block time.
 TRACE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_TRACE", "0") == "1")
-TRACE_SLOTS = gl.constexpr(8)
+TRACE_SLOTS = gl.constexpr(10)
 # SERVEATTN_PREFILL_WS_EPILOGUE_SMEM=1 (measuring): the output tile goes from the accumulator's layout through shared
 # memory into a layout of 16-byte pieces of whole rows before its stores: 8 coalesced stores a thread instead of 32
 # 4-byte ones that each touch 8 rows (the trace, session 21: the epilogue took ~1700-2100 cycles a task, 7% of it)
@@ -91,6 +92,15 @@ def _stamp(LSE, t, CID: gl.constexpr, slot: gl.constexpr):
     """TRACE: this group's %clock64 as stamp `slot` of task t (see TRACE)."""
     if TRACE:
         now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(LSE.to(gl.pointer_type(gl.int64)) + (t * 2 + CID) * TRACE_SLOTS + slot, now)
+
+
+@gluon.jit
+def _stamp_after(LSE, t, CID: gl.constexpr, slot: gl.constexpr, dep):
+    """_stamp, read once the int32 scalar `dep` is there (the clock read takes it as an input)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep], dtype=gl.int64, is_pure=False,
+                                        pack=1)
         gl.store(LSE.to(gl.pointer_type(gl.int64)) + (t * 2 + CID) * TRACE_SLOTS + slot, now)
 
 
@@ -471,6 +481,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
         if Q_TMA:  # the producer's copy (_fetch_q), into this item's buffer of the two
             q_buf = q_smem.index((items % 2) * 2 + CID)
             mbarrier.wait(q_ready.index(items % 2), (items // 2) & 1)
+            _stamp(LSE, t, CID, 8)
         else:
             q_buf = q_smem.index(CID)
             r_io = tile * BLOCK_M + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
@@ -491,6 +502,8 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
             dq_dk = gl.load(q_descale + (kvh * GROUP + rows % GROUP) * q_descale_stride) * gl.load(
                 k_descale + kvh * kv_descale_stride)
             row_qk_scale = qk_scale * dq_dk
+        if TRACE:  # once the item's loads (and fp8's V descale) have landed
+            _stamp_after(LSE, t, CID, 9, n_blocks + q_start + qo_len + item_v_scale.to(gl.int32, bitcast=True))
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
         out_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
