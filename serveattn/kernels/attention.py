@@ -194,7 +194,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     alpha = tl.exp2(m_i - m_safe)
     ROWSUM: tl.constexpr = ROWSUM_MMA and dtype.is_fp8()  # l is P x ones, below (common.ROWSUM_MMA)
     if ROWSUM:
-        l_i = l_i
+        pass
     elif FOLD:
         l_i = l_i * alpha + tl.sum(p, 1) * (1.0 / P_SCALE)
     else:

@@ -90,9 +90,7 @@ MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fi
 @gluon.jit
 def _stamp(LSE, t, CID: gl.constexpr, slot: gl.constexpr):
     """TRACE: this group's %clock64 as stamp `slot` of task t (see TRACE)."""
-    if TRACE:
-        now = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(LSE.to(gl.pointer_type(gl.int64)) + (t * 2 + CID) * TRACE_SLOTS + slot, now)
+    _stamp_after(LSE, t, CID, slot, 0)
 
 
 @gluon.jit
@@ -302,8 +300,8 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if not KNOCK_EXP:
             p = gl.exp2(p)
         alpha = gl.exp2(m_i - m_safe)
-        if ROWSUM_MMA > 0 and FP8:  # the sum is a wgmma of _consume's
-            l_i = l_i
+        if ROWSUM_MMA > 0 and FP8:
+            pass  # l is a product of _consume's (P x ones)
         elif KNOCK_ROWSTATS:
             l_i = l_i * alpha
         elif SOFTMAX_FMA and FP8:
