@@ -30,8 +30,8 @@ def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, softmax_f
     # two consumer groups, each: S(0) before the loop, S(j+1) and P.V(j) in it, the last P.V after it (head_dim / 16
     # and BLOCK_N / 16 k-steps)
     k_step = 32 if dtype.startswith("fp8") else 16  # a wgmma reads 32 bytes of each row
-    # fp8 (common.ROWSUM_MMA 2): each P.V has a row-sum twin, P in f16 times ones (BLOCK_N / 16 k-steps)
-    row_sum = 2 * ws.BLOCK_N.value // 16 if dtype.startswith("fp8") and ROWSUM_MMA.value == 2 else 0
+    # fp8 (common.ROWSUM_MMA): each P.V has a row-sum twin, P in f16 times ones (BLOCK_N / 16 k-steps)
+    row_sum = 2 * ws.BLOCK_N.value // 16 if dtype.startswith("fp8") and ROWSUM_MMA.value else 0
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * head_dim // k_step + 2 * ws.BLOCK_N.value // k_step
                                                              + row_sum)
     assert "cp.async.bulk.tensor" in ptx  # the producer's TMA

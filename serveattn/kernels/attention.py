@@ -218,13 +218,9 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     else:
         p_op = to_dtype(p, v.dtype)
     acc = mma(p_op, v, acc * alpha[:, None])
-    if ROWSUM:  # [rows, ROWSUM_N], every column the row's sum of P (as rounded for the product above, or in f16)
-        if ROWSUM_MMA == 1:
-            ones = narrow(tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float32), tl.float8e4nv)
-            l_i = mma(p_op, ones, l_i * alpha[:, None])
-        else:
-            ones = tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float16)
-            l_i = mma(to_dtype(p if FOLD else p * P_SCALE, tl.float16), ones, l_i * alpha[:, None])
+    if ROWSUM:  # [rows, ROWSUM_N], every column the row's sum of P * P_SCALE in f16
+        ones = tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float16)
+        l_i = mma(to_dtype(p if FOLD else p * P_SCALE, tl.float16), ones, l_i * alpha[:, None])
     return acc, l_i, m_new
 
 

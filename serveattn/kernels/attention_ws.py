@@ -76,9 +76,9 @@ TRACE_SLOTS = gl.constexpr(10)
 # memory into a layout of 16-byte pieces of whole rows before its stores: 8 coalesced stores a thread instead of 32
 # 4-byte ones that each touch 8 rows (the trace, session 21: the epilogue took ~1700-2100 cycles a task, 7% of it)
 EPILOGUE_SMEM = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_EPILOGUE_SMEM", "0") == "1")
-# common.ROWSUM_MMA (SERVEATTN_FP8_ROWSUM_MMA, default 2): fp8's row sum off the issue slots, P (f16; 1: the e4m3
-# P.V reads) times a [keys, 8] tile of ones, accumulated and rescaled like the output (64 FADD and two shuffle
-# rounds a thread a block become one small wgmma)
+# common.ROWSUM_MMA (SERVEATTN_FP8_ROWSUM_MMA, default on): fp8's row sum off the issue slots, P (f16) times a
+# [keys, 8] tile of ones, accumulated and rescaled like the output (64 FADD and two shuffle rounds a thread a block
+# become one small wgmma)
 ROWSUM_N = gl.constexpr(8)
 # fp8: a thread skips the accumulator's rescale when the row max of both its rows stayed (bits unchanged: _rescale)
 SKIP_RESCALE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_SKIP_RESCALE", "1") == "1")
@@ -300,7 +300,7 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         if not KNOCK_EXP:
             p = gl.exp2(p)
         alpha = gl.exp2(m_i - m_safe)
-        if ROWSUM_MMA > 0 and FP8:
+        if ROWSUM_MMA and FP8:
             pass  # l is a product of _consume's (P x ones)
         elif KNOCK_ROWSTATS:
             l_i = l_i * alpha
@@ -318,7 +318,7 @@ def _softmax_block(s, m_i, l_i, j, n_full, kv_len, row_ok, delta, tok, qk_scale,
         else:
             p_op = p.to(dtype)
         p_op = gl.convert_layout(p_op, p_layout)
-    if ROWSUM_MMA == 2 and FP8:  # the row sum's A operand: P * P_SCALE in f16 (11 bits: l as exact as an fp32 sum's
+    if ROWSUM_MMA and FP8:  # the row sum's A operand: P * P_SCALE in f16 (11 bits: l as exact as an fp32 sum's
         # bound needs), in the 16-bit operand layout of the accumulator (a relabelling)
         p_sum = gl.convert_layout((p if SOFTMAX_FMA else p * P_SCALE).to(gl.float16), ps_layout)
     else:
@@ -402,15 +402,6 @@ def _p_operand(p_op, p_layout: gl.constexpr, PACKED: gl.constexpr):
 
 
 @gluon.jit
-def _sum_operand(p_in, p_sum, pl_layout: gl.constexpr):
-    """The row sum's A operand: P.V's e4m3 operand relabelled (ROWSUM_MMA 1) or _softmax_block's f16 P (2)."""
-    if ROWSUM_MMA == 1:
-        return gl.convert_layout(p_in, pl_layout)
-    else:
-        return p_sum
-
-
-@gluon.jit
 def _v_ready(v_smem, v_ready, st, phase, j, kv_len, io_layout: gl.constexpr, V_T: gl.constexpr):
     """Waits for V block j in stage st and returns it as P.V's B operand; zeroes its rows past kv_len (P is 0
     there; 0 * NaN is not) unless it is a V^T tile (zero-filled there already)."""
@@ -450,11 +441,10 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                                                  k_width=32 // dtype.primitive_bitwidth)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    RS: gl.constexpr = ROWSUM_MMA > 0 and FP8  # the row sum as P x ones on the tensor cores (1: e4m3 P, 2: f16 P)
-    SUM_K: gl.constexpr = K_STEP if ROWSUM_MMA == 1 else 16
+    RS: gl.constexpr = ROWSUM_MMA and FP8  # the row sum as P (f16) x ones on the tensor cores
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, ROWSUM_N, SUM_K])
-    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2 if SUM_K == 16 else 4)
+                                                       instr_shape=[16, ROWSUM_N, 16])
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)
 
     num_tasks = gl.load(num_work_ptr) * KV_HEADS
     if K_SCALE_PTR:  # a one-element device tensor, read here so a captured graph follows its value
@@ -537,8 +527,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                     acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
                 if RS:
                     lsum = lsum * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                    lsum = warpgroup_mma(_sum_operand(p_in, p_sum, pl_layout), ones_smem.permute((1, 0)), lsum,
-                                         is_async=True)
+                    lsum = warpgroup_mma(p_sum, ones_smem.permute((1, 0)), lsum, is_async=True)
                 mbarrier.arrive(turn.index(1 - CID), count=1)
                 turns += 1
                 # S(j+1); P.V(j) (and the row sum's product) may still run
@@ -557,7 +546,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                     # set of registers and serializes every wgmma (C7513). A copy once P.V(j) is done keeps them apart.
                     p_op = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_op], dtype=gl.int32,
                                                      is_pure=False, pack=1)
-                if RS and ROWSUM_MMA == 2:  # the same for the sum's f16 operand
+                if RS:  # the same for the sum's f16 operand
                     p_sum = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [p_sum], dtype=gl.float16,
                                                       is_pure=False, pack=2)
             _stamp(LSE, t, CID, 4)
@@ -572,8 +561,7 @@ def _consume(q_smem, k_smem, v_smem, ones_smem, k_ready, k_empty, v_ready, v_emp
                 acc = warpgroup_mma(p_in, v_op, acc, is_async=True)
             if RS:
                 lsum = lsum * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                lsum = warpgroup_mma(_sum_operand(p_in, p_sum, pl_layout), ones_smem.permute((1, 0)), lsum,
-                                     is_async=True)
+                lsum = warpgroup_mma(p_sum, ones_smem.permute((1, 0)), lsum, is_async=True)
                 out_acc, lsum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, lsum))
                 # every column holds the row's sum of P * P_SCALE (as e4m3 or f16): l in P's units
                 l_i = gl.convert_layout(gl.max(lsum, 1), row_layout) * (1.0 / P_SCALE)
@@ -655,12 +643,11 @@ def prefill_ws_kernel(Q, q_desc, k_desc, v_desc, O, LSE,
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    if ROWSUM_MMA > 0 and FP8:  # the row sum's B operand: [8, keys] of ones (keys contiguous, as fp8 wgmma reads B)
-        ones_dtype: gl.constexpr = gl.float8e4nv if ROWSUM_MMA == 1 else gl.float16
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWSUM_N, BLOCK_N], ones_dtype)
+    if ROWSUM_MMA and FP8:  # the row sum's B operand: [8, keys] of f16 ones (keys contiguous)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWSUM_N, BLOCK_N], gl.float16)
         ones = gl.full([ROWSUM_N, BLOCK_N], 1.0, gl.float32,
-                       gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])).to(ones_dtype)
-        ones_smem = gl.allocate_shared_memory(ones_dtype, [ROWSUM_N, BLOCK_N], ones_layout, value=ones)
+                       gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])).to(gl.float16)
+        ones_smem = gl.allocate_shared_memory(gl.float16, [ROWSUM_N, BLOCK_N], ones_layout, value=ones)
         fence_async_shared()
     else:
         ones_smem = k_smem  # not read

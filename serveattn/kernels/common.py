@@ -53,13 +53,12 @@ def vt_column(n):
         return n
 
 
-# SERVEATTN_FP8_ROWSUM_MMA (default 2): fp8 attention's row sum l as P x ones on the tensor cores, in prefill_kernel
-# and the warp-specialized kernel alike: the softmax then has no per-score add and no sum shuffles (WS fp8 loop
-# 607 -> 576 SASS instructions; kernel time -1.8..-3.5% at 1x4096, 1x8192, 16x2048: docs/fp8.md, session 21).
-# 2: P * P_SCALE in f16 (one conversion a pair; l within 2^-12 a term of the fp32 sum, the LSE within 1e-4);
-# 1 (measuring only): the e4m3 P that P.V reads (l then sums rounded P: the LSE moves by ~1.5% of l, past
-# tests/test_fp8_attention.py's bound); 0: the fp32 sum on the CUDA cores (for A/B).
-ROWSUM_MMA: tl.constexpr = tl.constexpr(int(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "2")))
+# SERVEATTN_FP8_ROWSUM_MMA (default 1): fp8 attention's row sum l as P x ones on the tensor cores, P * P_SCALE in
+# f16 (one conversion a pair; l within 2^-12 a term of the fp32 sum, the LSE within 1e-4), in prefill_kernel and the
+# warp-specialized kernel alike: the softmax then has no per-score add and no sum shuffles (WS fp8 loop 607 -> 576
+# SASS instructions; kernel time -1.8..-3.5% at 1x4096, 1x8192, 16x2048: docs/fp8.md, session 21). 0: the fp32 sum
+# on the CUDA cores (for A/B). (Summing the e4m3 P itself moved the LSE ~1.5%: measured in session 21, not kept.)
+ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
