@@ -77,23 +77,7 @@ def report(case: str, kind: str, stamps: np.ndarray, ms: float) -> None:
     per = np.diff(stamps[:, :, list(ORDER)], axis=2)  # [tasks, groups, parts]
     print(f"{case} {kind}: {ms * 1e3:.1f} us a call, {int(ran.sum() // 2)} tasks on {len(np.unique(sm[ran]))} "
           f"programs; longest SM span {span} cycles -> {ghz:.2f} GHz", flush=True)
-    # SERVEATTN_PREFILL_WS_FLATTEN: a primed task's S(0) and softmax(0) ran at the previous task's end, stamped
-    # there (before its own start): its parts 0-2 count that time, not this task's
-    primed = busy & (stamps[:, :, 1] < stamps[:, :, 0])
-    if primed.any():
-        print(f"    {int(primed.sum())} of {int(busy.sum())} (task, group) runs primed (FLATTEN): their S(0) and "
-              f"softmax(0) ran beside the previous task's last P.V", flush=True)
-    if primed.any():
-        own = stamps[primed]  # [runs, 8]
-        nbp = n_blocks[primed]
-        loop = own[:, 4] - own[:, 0]
-        blk = np.median((loop / np.maximum(nbp - 1, 1))[nbp > 1]) if (nbp > 1).any() else 0.0
-        total = (own[:, 6] - own[:, 0]).mean()
-        print(f"    primed runs: start -> loop done {loop.mean():.0f}, last P.V + next S(0) / softmax(0) "
-              f"{(own[:, 5] - own[:, 4]).mean():.0f}, epilogue {(own[:, 6] - own[:, 5]).mean():.0f} cycles; task "
-              f"{total:.0f}, fixed (all but the loop's blocks at {blk:.0f}) {total - (nbp - 1).mean() * blk:.0f}",
-              flush=True)
-    sel = busy & ~primed
+    sel = busy
     if not sel.any():
         return
     nb = n_blocks[sel]
