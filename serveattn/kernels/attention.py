@@ -319,30 +319,19 @@ def prefill_kernel(
         else:
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for n0 in range(lo, mid_lo, BLOCK_N):
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
-                PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
-        for n0 in range(mid_lo, mid_hi, BLOCK_N):
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
-                PAGE_SIZE, PAGED, False, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
-        for n0 in range(mid_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
-                tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
-                PAGE_SIZE, PAGED, True, CAUSAL, HAS_MASK,
-                HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
+        # three runs of key blocks: masked (the window's edge), full (no mask: the bulk), masked (the causal diagonal,
+        # the last partial block, a custom mask's every block)
+        for run in tl.static_range(3):
+            run_lo = lo if run == 0 else (mid_lo if run == 1 else mid_hi)
+            run_hi = mid_lo if run == 0 else (mid_hi if run == 1 else hi)
+            for n0 in range(run_lo, run_hi, BLOCK_N):
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
+                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
+                    tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
+                    PAGE_SIZE, PAGED, run != 1, CAUSAL, HAS_MASK,
+                    HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
 
         if ROWSUM_MMA and FP8_QKV:  # in P's units, as the warp-specialized kernel's
             l_i = tl.max(l_i, 1) * (1.0 / P_SCALE)
