@@ -201,12 +201,67 @@ def test_replay_keeps_no_dropped_cache(recorded):
 
 def test_every_switch_on_the_launch_path_is_watched():
     """A replay skips the decisions attention.launch and attention_ws.launch make from switches read per call, so
-    each such switch must be in replay.SWITCHES (a changed one then takes the full path). Exempt: the fp8-attention
-    switch, read only for calls with descales, which never replay."""
+    each such switch must be in replay.SWITCHES (a changed one then takes the full path)."""
     import pathlib
     import re
-    exempt = {"SERVEATTN_PREFILL_WS_FP8"}
     read = set()
     for module in (attention, ws):
         read |= set(re.findall(r'knobs\.get\("([A-Z0-9_]+)"', pathlib.Path(module.__file__).read_text()))
-    assert read and read - exempt <= set(replay.SWITCHES), sorted(read - exempt - set(replay.SWITCHES))
+    assert read and read <= set(replay.SWITCHES), sorted(read - set(replay.SWITCHES))
+
+
+def _fp8_paged(gen):
+    enc = torch.float8_e4m3fn
+    pages = S // PAGE
+    cache = torch.randn(pages + 3, 2, PAGE, HKV, D, generator=gen).to(enc)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="triton")
+    w.plan(torch.tensor([0, S], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+           torch.randperm(pages + 3, generator=gen)[:pages].to(torch.int32), torch.tensor([PAGE], dtype=torch.int32),
+           HQ, HKV, D, PAGE, causal=True, q_data_type=enc, kv_data_type=enc)
+    return w, cache
+
+
+def _descales(gen, per_head=False):
+    return dict(scale_q=torch.rand(HQ if per_head else 1, generator=gen) + 0.5, scale_k=torch.rand(1, generator=gen) + 0.5,
+                scale_v=torch.rand(1, generator=gen) + 0.5)
+
+
+def test_fp8_attention_replays_its_transpose_with_the_calls_descales(recorded, monkeypatch):
+    """fp8 attention (V^T made by transpose_v_kernel at each call): a later call replays both launches, with its own
+    q, V^T (in V's descriptor) and descales, and otherwise what the full path passes; descales of another shape
+    (per head) take the full path."""
+    launches, full = recorded
+    if launches.kind != "warp-specialized":
+        pytest.skip("fp8 attention replays on the warp-specialized kernel only")
+    transposes = []
+    t_kernel = JITFunction(attention.transpose_v_kernel.fn)
+    monkeypatch.setattr(attention, "transpose_v_kernel", t_kernel)
+    monkeypatch.setattr(t_kernel, "run", lambda *args, grid, warmup, **kwargs: (
+        transposes.append(("first", args)), _Compiled(transposes))[1])
+    monkeypatch.setattr(fast._launches_of(t_kernel), "entries", {})
+    gen = torch.Generator().manual_seed(4)
+    w, cache = _fp8_paged(gen)
+    q8 = lambda: _q(gen).to(torch.float8_e4m3fn)  # noqa: E731
+    w.run(q8(), cache, **_descales(gen))
+    assert full == [True] and w._plan.launch_memo[replay.KEY].descales is not None
+    q, scales = q8(), _descales(gen)
+    w.run(q, cache, **scales)
+    assert full == [True], "not replayed"
+    replayed, t_replayed = launches[-1][1], transposes[-1][1]
+    assert replayed[0] is q and replayed[1].base is q
+    assert replayed[3].base is t_replayed[1], "V's descriptor is not this call's V^T"
+    at = next(i for i, a in enumerate(replayed) if a is w._plan.kv_tok_indptr) + 1  # the descales follow it
+    assert all(a is b for a, b in zip(replayed[at:at + 3], (scales["scale_q"], scales["scale_k"], scales["scale_v"])))
+    del w._plan.launch_memo[replay.KEY]  # the same call on the full path
+    w.run(q, cache, out=replayed[4], **scales)
+    assert full == [True, True]
+    on_full, t_on_full = launches[-1][1], transposes[-1][1]
+    # the same but for V^T, a new tensor of the same shape at each call
+    assert _same(replayed[:3] + replayed[4:], on_full[:3] + on_full[4:])
+    assert dict(replayed[3].__dict__, base=None) == dict(on_full[3].__dict__, base=None)
+    assert _same(t_replayed[:1] + t_replayed[2:], t_on_full[:1] + t_on_full[2:])
+    assert t_replayed[1].shape == t_on_full[1].shape and t_replayed[1].dtype == t_on_full[1].dtype
+    w.run(q8(), cache, **_descales(gen))  # replayed again (the full path kept a new replay)
+    assert full == [True, True]
+    w.run(q8(), cache, **_descales(gen, per_head=True))
+    assert full == [True, True, True], "per-head descales replayed a per-tensor launch"

@@ -478,9 +478,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs).
     kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
     plain = k_scale is None and v_scale is None and descales is None and plan.vt_work is None
-    if plain:  # a plan's later plain calls repeat its first plain launch where nothing it follows from moved
+    # fp8 attention over V^T (k_scale/v_scale are refused beside descales): its transpose and attention launches
+    fp8_vt = descales is not None and plan.vt_work is not None
+    if plain or fp8_vt:  # a plan's later calls repeat its first such launch where nothing it follows from moved
         repeat = plan.launch_memo.get(replay.KEY)
-        if repeat is not None and repeat(q, k, v, out, lse, grid0, gather_ok):
+        if repeat is not None and repeat(q, k, v, out, lse, grid0, gather_ok, descales):
             return
     ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
     fp8 = descales is not None
@@ -498,17 +500,22 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
     ws = attention_ws is not None and attention_ws.serves(q, k, v, plan, descales)
-    vt, vt_tokens = plan.work, 0
+    vt, vt_tokens, transpose = plan.work, 0, None
     if plan.vt_work is not None:  # fp8 attention: V transposed once, read by every query tile of its request
         vt_tokens = plan.vt_tokens
         vt = torch.empty((plan.num_kv_heads, plan.head_dim, vt_tokens), dtype=v.dtype, device=v.device)
-        launch_jit(transpose_v_kernel, (plan.vt_work.numel() // 2, plan.num_kv_heads),
-            v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
-            plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens,
-            HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N, PAGE_SIZE=plan.page_size, PAGED=plan.paged)
+        t_args = (v, vt, plan.vt_work, plan.kv_indptr, *_present(plan.work, plan.kv_indices, plan.last_page_len),
+                  plan.kv_tok_indptr, *sv, plan.head_dim * vt_tokens, vt_tokens)
+        t_pack = plan.launch_memo.get("transpose_v")
+        if t_pack is None:  # the plan's tensors keyed once (launch.Pack)
+            t_pack = plan.launch_memo["transpose_v"] = Pack(
+                transpose_v_kernel, t_args, dict(HEAD_DIM=plan.head_dim, BLOCK_N=VT_BLOCK_N,
+                                                 PAGE_SIZE=plan.page_size, PAGED=plan.paged), (2, 3, 4, 5, 6))
+        transpose = (t_pack, t_args, (plan.vt_work.numel() // 2, plan.num_kv_heads))
+        t_pack(transpose[2], *t_args)
     if ws and attention_ws.launch(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
                                   vs_dev, descales, vt if plan.vt_work is not None else None,
-                                  replay_gather_ok=gather_ok if plain else None):
+                                  replay_gather_ok=gather_ok if plain or fp8_vt else None, transpose=transpose):
         return
     args = (
         q, k, v, out, lse_arg,

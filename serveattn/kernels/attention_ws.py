@@ -838,11 +838,12 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
 
 
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
-           ks_dev: bool, vs_dev: bool, descales=None, vt=None, replay_gather_ok=None) -> bool:
+           ks_dev: bool, vs_dev: bool, descales=None, vt=None, replay_gather_ok=None, transpose=None) -> bool:
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not.
     descales, vt: fp8 attention's (scale_q, scale_k, scale_v) and V^T ([kv heads, head dim, columns],
-    attention.transpose_v_kernel). replay_gather_ok: attention.launch's gather_ok, given where its call had no
-    scales or descales and came here directly: the plan's first such launch is kept as its replay.Replay."""
+    attention.transpose_v_kernel; transpose: that launch's (Pack, arguments, grid)). replay_gather_ok:
+    attention.launch's gather_ok, given where its call had no scales (fp8: descales only) and came here directly:
+    the plan's first such launch (fp8: with its transpose) is kept as its replay.Replay."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     fp8 = descales is not None
@@ -898,10 +899,13 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             ((28,) if fp8 else (28, 29, 30, 31))
         pack = plan.launch_memo[kind] = Pack(prefill_ws_kernel, args, kwargs, fixed)
     pack((programs, 1), *args)
-    if (replay_gather_ok is not None and not (fp8 or ks_dev or vs_dev) and replay.KEY not in plan.launch_memo
-            and replay.aligned(q, out, lse) and (plan.paged or replay.aligned(k, v))):
+    if (replay_gather_ok is not None and fp8 == (transpose is not None) and not (ks_dev or vs_dev)
+            and replay.KEY not in plan.launch_memo and replay.aligned(q, out, lse, *(descales or ()))
+            and (plan.paged or replay.aligned(k, v))):
         arg_key = pack.arguments_key(args)
-        if arg_key is not None:
-            plan.launch_memo[replay.KEY] = replay.Replay(pack, arg_key, args, (programs, 1), q, k, v, out, lse, grid0,
-                                                         replay_gather_ok, not plan.paged, TensorDescriptor)
+        t_key = transpose[0].arguments_key(transpose[1]) if fp8 else None
+        if arg_key is not None and (t_key is not None or not fp8):
+            plan.launch_memo[replay.KEY] = replay.Replay(
+                pack, arg_key, args, (programs, 1), q, k, v, out, lse, grid0, replay_gather_ok, not plan.paged,
+                TensorDescriptor, descales, transpose and (transpose[0], t_key, transpose[1], transpose[2]))
     return True

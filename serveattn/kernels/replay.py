@@ -27,7 +27,7 @@ KEY = "replay"  # plan.launch_memo's key of its Replay
 # the switches a plain launch's decisions read (attention._launch_gathered, attention_ws.serves, _q_descriptor,
 # attention_ws.launch)
 SWITCHES = ("SERVEATTN_PREFILL_WS", "TRITON_INTERPRET", "SERVEATTN_PREFILL_WS_QTMA", "SERVEATTN_PREFILL_WS_PERSISTENT",
-            "SERVEATTN_PREFILL_GATHER")
+            "SERVEATTN_PREFILL_GATHER", "SERVEATTN_PREFILL_WS_FP8")
 
 
 class _HashedParts(tuple):
@@ -49,14 +49,23 @@ def aligned(*tensors) -> bool:
 class Replay:
     """args: the first call's positional arguments, which start with q, then K and V (`descriptor` None) or the
     first TMA operand and K's and V's descriptors (`descriptor`: the TensorDescriptor class), then out and lse's
-    argument; every later argument is the plan's or follows from the strides checked here."""
+    argument; every later argument is the plan's or follows from the strides checked here.
+    fp8 attention (`descales` given; the warp-specialized kernel only): the call's V^T is made anew by the plan's
+    transpose launch (`transpose`: its Pack, key, arguments (V, V^T, then the plan's) and grid), V's descriptor is
+    V^T's, and the arguments end with (column indptr, scale_q, scale_k, scale_v, two per-head flags): the call's
+    descales take their places (their shapes, hence the flags, as the first call's; 16-byte aligned)."""
 
     def __init__(self, pack, arg_key, args, grid, q, k, v, out, lse, grid0: int, gather_ok: bool, ragged: bool,
-                 descriptor=None):
+                 descriptor=None, descales=None, transpose=None):
         self.pack, self.grid, self.descriptor = pack, grid, descriptor
         self.arg_key = (arg_key[0], _HashedParts(arg_key[1]))
         front = 6 if descriptor is not None else 5
         self.rest = args[front:]
+        self.descales = None if descales is None else tuple((d.dtype, d.shape) for d in descales)
+        if descales is not None:
+            t_pack, t_key, t_args, t_grid = transpose
+            vt = t_args[1]
+            self.transpose = (t_pack, (t_key[0], _HashedParts(t_key[1])), t_args[2:], t_grid, vt.shape, vt.dtype)
         if descriptor is not None:
             # descriptor fields but the base (the same shape, strides, block, layout and padding at every call)
             self.q_fields = dict(args[1].__dict__, base=None) if args[1] is not args[2] else None
@@ -71,14 +80,22 @@ class Replay:
         # paged: the cache views (prefill._cache_views) and their descriptors (attention_ws._kept_descriptor) are the
         # same objects at every step; held weakly (a plan must not keep a dropped cache alive)
         self.ragged = ragged
+        # (fp8: V's operand is the call's own V^T descriptor, made in __call__)
         self.kv_held = None if ragged else (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(),
-                                            weakref.ref(kv_objects[0]), weakref.ref(kv_objects[1]))
+                                            weakref.ref(kv_objects[0]),
+                                            weakref.ref(kv_objects[1]) if descales is None else None)
 
-    def __call__(self, q, k, v, out, lse, grid0: int, gather_ok: bool) -> bool:
+    def __call__(self, q, k, v, out, lse, grid0: int, gather_ok: bool, descales=None) -> bool:
         """Launches as the first call did, with this call's tensors; False (nothing launched) where it may not."""
         if q.__class__ is not torch.Tensor or out.__class__ is not torch.Tensor or lse is not None and \
                 lse.__class__ is not torch.Tensor:
             return False
+        if (descales is None) != (self.descales is None):
+            return False
+        if descales is not None:
+            if any(d.__class__ is not torch.Tensor for d in descales) or not aligned(*descales) or \
+                    tuple((d.dtype, d.shape) for d in descales) != self.descales:
+                return False
         if (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
                 None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
                 k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride()) != self.layouts:
@@ -99,9 +116,17 @@ class Replay:
             k_ref, v_ref, k_ptr, v_ptr, k_op_ref, v_op_ref = self.kv_held
             if k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr or v.data_ptr() != v_ptr:
                 return False
-            k_op, v_op = k_op_ref(), v_op_ref()
+            k_op, v_op = k_op_ref(), v_op_ref() if v_op_ref is not None else v
             if k_op is None or v_op is None:
                 return False
+        rest = self.rest
+        if descales is not None:  # this call's V^T, then its descriptor and the call's descales
+            t_pack, t_key, t_rest, t_grid, vt_shape, vt_dtype = self.transpose
+            vt = torch.empty(vt_shape, dtype=vt_dtype, device=v.device)
+            t_pack.launch_keyed(t_grid, (v, vt) + t_rest, t_key)
+            v_op = object.__new__(self.descriptor)
+            v_op.__dict__.update(self.kv_fields[1], base=vt)
+            rest = rest[:-5] + tuple(descales) + rest[-2:]
         lse_arg = lse if lse is not None else out
         if self.descriptor is None:
             front = (q, k_op, v_op, out, lse_arg)
@@ -111,5 +136,5 @@ class Replay:
             front = (q, q_op, k_op, v_op, out, lse_arg)
         else:
             front = (q, k_op, k_op, v_op, out, lse_arg)
-        self.pack.launch_keyed(self.grid, front + self.rest, self.arg_key)
+        self.pack.launch_keyed(self.grid, front + rest, self.arg_key)
         return True
