@@ -3,7 +3,8 @@ call) against the sum of the call's kernels (profiler) and the host's time per r
 synchronizes with the device (torch's sync debug mode). A gap between the median and the kernels that the host's
 time explains is the host's, not the GPU's.
 
-    python3 scripts/probe_call_gap.py [--cases 1x4096,16x2048] [--kinds bf16,ragged,fp8,kv8]
+    python3 scripts/probe_call_gap.py [--cases 1x4096,16x2048] [--kinds bf16,ragged,fp8,fp8-full,kv8,kv8-nows]
+    python3 scripts/probe_call_gap.py --cprofile --cases 1x4096 --kinds fp8     # the host's time by function
 """
 import argparse
 import os
@@ -16,6 +17,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serveattn  # noqa: E402
 from serveattn.bench import common  # noqa: E402
+from serveattn.kernels import replay  # noqa: E402
 from probe_decode_profile import kernel_times  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
@@ -63,15 +65,30 @@ def make(kind, batch, s, gen):
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
     indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
     last = torch.full((batch,), PS, dtype=torch.int32)
-    qd = e4m3 if kind == "fp8" else torch.bfloat16
-    kd = torch.bfloat16 if kind == "bf16" else e4m3
+    base = kind.split("-")[0]  # fp8-full: every call on the full path (its replay dropped first); kv8-nows: the
+    # fp8 cache on prefill_kernel (SERVEATTN_PREFILL_WS=0 for the call: no page copy)
+    qd = e4m3 if base == "fp8" else torch.bfloat16
+    kd = torch.bfloat16 if base == "bf16" else e4m3
     cache = cache8 if kd == e4m3 else cache8.to(kd)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
     w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=qd, kv_data_type=kd)
-    if kind == "fp8":
+    if base == "fp8":
         one = torch.ones(1, device="cuda")
         q8 = q.to(e4m3)
+        if kind == "fp8-full":
+            return lambda: (w._plan.launch_memo.pop(replay.KEY, None), w.run(q8, cache, scale_q=one, scale_k=one,
+                                                                            scale_v=one))
         return lambda: w.run(q8, cache, scale_q=one, scale_k=one, scale_v=one)
+    if kind == "kv8-nows":
+        def run():
+            os.environ["SERVEATTN_PREFILL_WS"] = "0"
+            try:
+                return w.run(q, cache, k_scale=0.5, v_scale=2.0)
+            finally:
+                del os.environ["SERVEATTN_PREFILL_WS"]
+        return run
+    if kind == "kv8":
+        return lambda: w.run(q, cache, k_scale=0.5, v_scale=2.0)
     return lambda: w.run(q, cache)
 
 

@@ -236,6 +236,49 @@ def test_fp8_cache_equals_dequantized_run(fp8, dtype, ws_calls, monkeypatch):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+@pytest.mark.parametrize("scale_kind", ["float", "tensor"])
+def test_gathered_calls_replay_with_their_own_scales(scale_kind, monkeypatch):
+    """An fp8 cache under a 16-bit query copies its pages into ragged rows at every call; a plan's later calls
+    replay the copy and the launch (kernels/replay.Gathered) with their own q and k_scale/v_scale: bitwise the full
+    path's result for the same call, whatever the scales of the call that made the replay."""
+    from serveattn.kernels import attention
+    gen = torch.Generator().manual_seed(31)
+    b = make_paged_batch(gen, qo_lens=[600, 31, 0], kv_lens=[900, 2000, 40], num_qo_heads=16, num_kv_heads=4,
+                         head_dim=128, page_size=16, dtype=torch.bfloat16, tuple_cache=True, device="cuda")
+    cache8 = tuple(t.to(torch.float8_e4m3fn) for t in b.cache)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"))
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 16, 4, 128, 16, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+
+    def scale(x):
+        return x if scale_kind == "float" else torch.full((1,), x, device="cuda")
+
+    def run(q, ks, vs):
+        out = nan_like(q.shape, torch.bfloat16, "cuda")
+        lse = nan_like(q.shape[:2], torch.float32, "cuda")
+        w.run(q, cache8, out=out, lse=lse, return_lse=True, k_scale=scale(ks), v_scale=scale(vs))
+        return out, lse
+
+    run(b.q, 0.5, 3.0)
+    assert replay.GATHERED in w._plan.launch_memo, "no replay kept"
+    full = _spy(monkeypatch, attention, "_launch_gathered")
+    q = torch.randn_like(b.q)
+    outs = []
+    for ks, vs in ((0.25, 2.0), (0.5, 3.0), (0.25, 2.0)):
+        o1, l1 = run(q, ks, vs)
+        assert full == [], "not replayed"
+        kept = w._plan.launch_memo.pop(replay.GATHERED)
+        o2, l2 = run(q, ks, vs)
+        assert full == [True], "the full path did not copy the pages"
+        full.clear()
+        w._plan.launch_memo[replay.GATHERED] = kept
+        assert not torch.isnan(o1).any() and not torch.isnan(l1).any(), "an element was not written"
+        assert torch.equal(o1, o2) and torch.equal(l1, l2), "the replay is not the full path's result"
+        outs.append(o1)
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
 def test_layout_without_a_tma_view_falls_back(ws_calls, monkeypatch):
     """A cache whose head stride (130 elements, not a multiple of 16 bytes) has no [rows, slot stride] TMA view:
     the call takes prefill_kernel (launch returns False) and is still right."""

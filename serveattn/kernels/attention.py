@@ -461,11 +461,17 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
         return False
     ko = torch.empty(shape, dtype=q.dtype, device=q.device)
     vo = torch.empty(shape, dtype=q.dtype, device=q.device)
-    gather.gather_widen(k, v, ko, vo, page_req, plan.kv_indptr, plan.kv_indices, plan.last_page_len, tok_indptr,
-                        sk, sv, plan.page_size, plan.head_dim, int(page_req.numel()), plan.num_kv_heads)
+    copy = gather.gather_widen(k, v, ko, vo, page_req, plan.kv_indptr, plan.kv_indices, plan.last_page_len,
+                               tok_indptr, sk, sv, plan.page_size, plan.head_dim, int(page_req.numel()),
+                               plan.num_kv_heads, memo=plan.launch_memo)
     so = kv_strides(ko, "NHD", False)
-    return attention_ws.launch(q, ko, vo, out, lse, ragged, so, so, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
-                               vs_dev)
+    # the ragged plan's launch kept as its Replay (scales passed per call), and with the copy as this plan's
+    launched = attention_ws.launch(q, ko, vo, out, lse, ragged, so, so, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev,
+                                   vs_dev, replay_gather_ok=False, replay_scales=True)
+    inner = ragged.launch_memo.get(replay.KEY)
+    if launched and copy is not None and inner is not None and replay.GATHERED not in plan.launch_memo:
+        plan.launch_memo[replay.GATHERED] = replay.Gathered(copy, inner, k, v, shape, q.dtype)
+    return launched
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
@@ -485,6 +491,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         if repeat is not None and repeat(q, k, v, out, lse, grid0, gather_ok, descales):
             return
     ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
+    qk_scale = plan.sm_scale * ks * LOG2E
+    if gather_ok and descales is None:  # and the same for a plan whose calls copy their pages (_launch_gathered)
+        repeat = plan.launch_memo.get(replay.GATHERED)
+        if repeat is not None and repeat(q, k, v, out, lse, grid0, (qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev)):
+            return
     fp8 = descales is not None
     dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
     if kv_stride_args is None:
@@ -495,7 +506,6 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     cfg = plan.tiles
-    qk_scale = plan.sm_scale * ks * LOG2E
     if attention_ws is not None and gather_ok and descales is None and _launch_gathered(
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return

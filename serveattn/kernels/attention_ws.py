@@ -700,6 +700,7 @@ def _num_sms(device: torch.device) -> int:
     return cuda_properties(device)[1]
 
 
+SCALES_AT = 24  # launch(): where (qk_scale, v_scale, k_scale_ptr, v_scale_ptr) stand among the kernel's arguments
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.float8_e5m2: gl.float8e5}
 
@@ -838,12 +839,14 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
 
 
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
-           ks_dev: bool, vs_dev: bool, descales=None, vt=None, replay_gather_ok=None, transpose=None) -> bool:
+           ks_dev: bool, vs_dev: bool, descales=None, vt=None, replay_gather_ok=None, transpose=None,
+           replay_scales: bool = False) -> bool:
     """Launches the kernel if the cache's layout allows its TMA view; False (nothing launched) if not.
     descales, vt: fp8 attention's (scale_q, scale_k, scale_v) and V^T ([kv heads, head dim, columns],
     attention.transpose_v_kernel; transpose: that launch's (Pack, arguments, grid)). replay_gather_ok:
     attention.launch's gather_ok, given where its call had no scales (fp8: descales only) and came here directly:
-    the plan's first such launch (fp8: with its transpose) is kept as its replay.Replay."""
+    the plan's first such launch (fp8: with its transpose) is kept as its replay.Replay. replay_scales: that
+    Replay takes each call's scales (attention._launch_gathered's ragged plan: k_scale/v_scale floats or tensors)."""
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     fp8 = descales is not None
@@ -889,6 +892,7 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             plan.kv_indices if plan.paged else plan.work, plan.last_page_len if plan.paged else plan.work,
             k_map[1], k_map[2], k_map[3], v_map[1], v_map[2], v_map[3],
             qk_scale, v_scale, ks_ptr, vs_ptr, *descale_args)
+    assert args[SCALES_AT] is qk_scale and args[SCALES_AT + 3] is vs_ptr
     if pack is None:  # the plan's own arguments keyed once per plan and kind (launch.Pack)
         kwargs = dict(GROUP=plan.group, PAGE_SIZE=plan.page_size, BOX=box, PAGED=plan.paged, CAUSAL=plan.causal,
                       RETURN_LSE=lse is not None, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, FP8=fp8,
@@ -899,13 +903,15 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
             ((28,) if fp8 else (28, 29, 30, 31))
         pack = plan.launch_memo[kind] = Pack(prefill_ws_kernel, args, kwargs, fixed)
     pack((programs, 1), *args)
-    if (replay_gather_ok is not None and fp8 == (transpose is not None) and not (ks_dev or vs_dev)
+    if (replay_gather_ok is not None and fp8 == (transpose is not None) and (replay_scales or not (ks_dev or vs_dev))
             and replay.KEY not in plan.launch_memo and replay.aligned(q, out, lse, *(descales or ()))
-            and (plan.paged or replay.aligned(k, v))):
+            and (plan.paged or replay.aligned(k, v))
+            and replay.aligned(*(t for t, dev in ((ks_ptr, ks_dev), (vs_ptr, vs_dev)) if dev))):
         arg_key = pack.arguments_key(args)
         t_key = transpose[0].arguments_key(transpose[1]) if fp8 else None
         if arg_key is not None and (t_key is not None or not fp8):
             plan.launch_memo[replay.KEY] = replay.Replay(
                 pack, arg_key, args, (programs, 1), q, k, v, out, lse, grid0, replay_gather_ok, not plan.paged,
-                TensorDescriptor, descales, transpose and (transpose[0], t_key, transpose[1], transpose[2]))
+                TensorDescriptor, descales, transpose and (transpose[0], t_key, transpose[1], transpose[2]),
+                SCALES_AT if replay_scales else None, (ks_dev, vs_dev) if replay_scales else None)
     return True

@@ -56,11 +56,15 @@ class Replay:
     descales take their places (their shapes, hence the flags, as the first call's; 16-byte aligned)."""
 
     def __init__(self, pack, arg_key, args, grid, q, k, v, out, lse, grid0: int, gather_ok: bool, ragged: bool,
-                 descriptor=None, descales=None, transpose=None):
+                 descriptor=None, descales=None, transpose=None, scales_at=None, scale_kinds=None):
         self.pack, self.grid, self.descriptor = pack, grid, descriptor
         self.arg_key = (arg_key[0], _HashedParts(arg_key[1]))
         front = 6 if descriptor is not None else 5
         self.rest = args[front:]
+        # scales_at: where (qk_scale, v_scale, k_scale_ptr, v_scale_ptr) stand among args; the call passes its own
+        # (its scale tensors, if any, as the first call's: scale_kinds, aligned)
+        self.scales_at = None if scales_at is None else scales_at - front
+        self.scale_kinds = scale_kinds
         self.descales = None if descales is None else tuple((d.dtype, d.shape) for d in descales)
         if descales is not None:
             t_pack, t_key, t_args, t_grid = transpose
@@ -85,26 +89,47 @@ class Replay:
                                             weakref.ref(kv_objects[0]),
                                             weakref.ref(kv_objects[1]) if descales is None else None)
 
-    def __call__(self, q, k, v, out, lse, grid0: int, gather_ok: bool, descales=None) -> bool:
+    def __call__(self, q, k, v, out, lse, grid0: int, gather_ok: bool, descales=None, scales=None) -> bool:
         """Launches as the first call did, with this call's tensors; False (nothing launched) where it may not."""
+        ready = self.prepare(q, k, v, out, lse, grid0, gather_ok, descales, scales)
+        if ready is None:
+            return False
+        self.launch(ready)
+        return True
+
+    def launch(self, ready):
+        """Launches what prepare() made: fp8's V^T first, then the kernel."""
+        args, transpose = ready
+        if transpose is not None:
+            t_pack, t_key, t_rest, t_grid = self.transpose[:4]
+            t_pack.launch_keyed(t_grid, transpose + t_rest, t_key)
+        self.pack.launch_keyed(self.grid, args, self.arg_key)
+
+    def prepare(self, q, k, v, out, lse, grid0: int, gather_ok: bool, descales=None, scales=None):
+        """The launch's arguments for this call's tensors (and fp8's (V, V^T) for the transpose), or None where it
+        may not repeat the first call. scales: (qk_scale, v_scale, k_scale_ptr, v_scale_ptr, k on device, v on
+        device) of this call (kept at `scales_at`; attention._launch_gathered's)."""
         if q.__class__ is not torch.Tensor or out.__class__ is not torch.Tensor or lse is not None and \
                 lse.__class__ is not torch.Tensor:
-            return False
-        if (descales is None) != (self.descales is None):
-            return False
+            return None
+        if (descales is None) != (self.descales is None) or (scales is None) != (self.scale_kinds is None):
+            return None
         if descales is not None:
             if any(d.__class__ is not torch.Tensor for d in descales) or not aligned(*descales) or \
                     tuple((d.dtype, d.shape) for d in descales) != self.descales:
-                return False
+                return None
+        if scales is not None and (scales[4:] != self.scale_kinds or
+                                   not aligned(*(t for t, dev in zip(scales[2:4], scales[4:]) if dev))):
+            return None
         if (q.dtype, q.shape, q.stride(), out.dtype, out.shape, out.stride(),
                 None if lse is None else (lse.shape, lse.stride()), grid0, gather_ok,
                 k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride()) != self.layouts:
-            return False
+            return None
         if not aligned(q, out, lse) or knobs.snapshot(SWITCHES) != self.switches:
-            return False
+            return None
         if self.ragged:  # new K/V every step
             if not aligned(k, v):
-                return False
+                return None
             if self.descriptor is not None:
                 k_fields, v_fields = self.kv_fields
                 k_op, v_op = object.__new__(self.descriptor), object.__new__(self.descriptor)
@@ -115,15 +140,17 @@ class Replay:
         else:
             k_ref, v_ref, k_ptr, v_ptr, k_op_ref, v_op_ref = self.kv_held
             if k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr or v.data_ptr() != v_ptr:
-                return False
+                return None
             k_op, v_op = k_op_ref(), v_op_ref() if v_op_ref is not None else v
             if k_op is None or v_op is None:
-                return False
-        rest = self.rest
+                return None
+        rest, transpose = self.rest, None
+        if scales is not None:
+            at = self.scales_at
+            rest = rest[:at] + scales[:4] + rest[at + 4:]
         if descales is not None:  # this call's V^T, then its descriptor and the call's descales
-            t_pack, t_key, t_rest, t_grid, vt_shape, vt_dtype = self.transpose
-            vt = torch.empty(vt_shape, dtype=vt_dtype, device=v.device)
-            t_pack.launch_keyed(t_grid, (v, vt) + t_rest, t_key)
+            vt = torch.empty(self.transpose[4], dtype=self.transpose[5], device=v.device)
+            transpose = (v, vt)
             v_op = object.__new__(self.descriptor)
             v_op.__dict__.update(self.kv_fields[1], base=vt)
             rest = rest[:-5] + tuple(descales) + rest[-2:]
@@ -136,5 +163,40 @@ class Replay:
             front = (q, q_op, k_op, v_op, out, lse_arg)
         else:
             front = (q, k_op, k_op, v_op, out, lse_arg)
-        self.pack.launch_keyed(self.grid, front + rest, self.arg_key)
+        return front + rest, transpose
+
+
+GATHERED = "gathered"  # a paged plan's launch memo key of its Gathered
+
+
+class Gathered:
+    """A paged plan's call through attention._launch_gathered repeated: its pages copied into new ragged rows of q's
+    dtype (the plan's gather Pack and key; the same cache objects at the same address as the first call's), then
+    the ragged plan's Replay of the warp-specialized launch over those rows, with this call's k_scale/v_scale
+    (kv_scale_args: floats or device tensors, as the first call's). None of it launches where the Replay may not."""
+
+    def __init__(self, gather, inner: Replay, k, v, rows_shape, rows_dtype):
+        g_pack, g_args, g_grid = gather
+        self.g_pack, self.g_grid, self.g_rest = g_pack, g_grid, g_args[4:]
+        g_key = g_pack.arguments_key(g_args)
+        self.g_key = None if g_key is None else (g_key[0], _HashedParts(g_key[1]))
+        self.inner = inner
+        self.rows = (rows_shape, rows_dtype)
+        self.held = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(), k.shape, k.stride(), v.stride())
+        self.switches = knobs.snapshot(SWITCHES)
+
+    def __call__(self, q, k, v, out, lse, grid0: int, scales) -> bool:
+        k_ref, v_ref, k_ptr, v_ptr, shape, k_strides, v_strides = self.held
+        if (self.g_key is None or k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr
+                or v.data_ptr() != v_ptr or k.shape != shape or k.stride() != k_strides or v.stride() != v_strides
+                or q.dtype != self.rows[1] or knobs.snapshot(SWITCHES) != self.switches):
+            return False
+        ko = torch.empty(self.rows[0], dtype=self.rows[1], device=q.device)
+        vo = torch.empty(self.rows[0], dtype=self.rows[1], device=q.device)
+        ready = self.inner.prepare(q, ko, vo, out, lse, grid0, False, scales=scales)
+        if ready is None:
+            return False
+        self.g_pack.launch_keyed(self.g_grid, (k, v, ko, vo) + self.g_rest, self.g_key)
+        self.inner.launch(ready)
         return True
+
