@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-_KEYS: dict = {}  # name -> its key in os.environ's dict
+_KEYS: dict = {}  # a name -> its key in os.environ's dict; a tuple of names (snapshot) -> their keys
 
 
 def get(name: str, default: str) -> str:
@@ -26,8 +26,6 @@ def get(name: str, default: str) -> str:
     return default if value is None else environ.decodevalue(value)
 
 
-_ENCODED: dict = {}  # names -> their keys in os.environ's dict
-
 
 def snapshot(names: tuple) -> tuple:
     """The values of names as os.environ holds them (None where unset), to compare with a later snapshot."""
@@ -35,7 +33,7 @@ def snapshot(names: tuple) -> tuple:
     data = getattr(environ, "_data", None)
     if data.__class__ is not dict:
         return tuple([environ.get(name) for name in names])
-    keys = _ENCODED.get(names)
+    keys = _KEYS.get(names)
     if keys is None:
-        keys = _ENCODED[names] = tuple(map(environ.encodekey, names))
+        keys = _KEYS[names] = tuple(map(environ.encodekey, names))
     return tuple([data.get(key) for key in keys])

@@ -1,6 +1,6 @@
-"""prefill run()'s per-cache memos (prefill._cache_views for the paged wrapper, attention_ws._kept_descriptor for the
-warp-specialized kernel's TMA descriptors) and per-plan launch memo: a cache changed in place is split anew, a dead
-cache's entry goes with it, and every run still checks its tensors against the plan it runs."""
+"""prefill run()'s own memos beside the paged cache views (tests/test_cache_views.py): the ragged wrapper's plain
+checks, the per-plan launch memo, and attention_ws._kept_descriptor (the warp-specialized kernel's TMA descriptors
+per cache tensor): a tensor changed in place is described anew, a dead one's entry goes with it."""
 import gc
 import weakref
 from dataclasses import replace
@@ -25,46 +25,6 @@ def _paged(b, device, num_kv_heads=2, q_dtype=torch.float16):
     w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, num_kv_heads, 64, 16, causal=True,
            q_data_type=q_dtype)
     return w
-
-
-def test_cache_changed_in_place_is_split_anew(device):
-    b, other = _batch(device), _batch(device, seed=4).cache
-    w = _paged(b, device)
-    cache = b.cache.clone()
-    assert torch.equal(w.run(b.q, cache), _paged(b, device).run(b.q, b.cache))
-    cache.set_(other.clone().untyped_storage(), 0, other.shape, other.stride())  # new storage, same object
-    assert torch.equal(w.run(b.q, cache), _paged(b, device).run(b.q, other))
-    cache.data = cache.view(torch.bfloat16)  # same address, shape and strides; another dtype
-    with pytest.raises(ValueError, match="k cache has dtype torch.bfloat16 but the plan declared torch.float16"):
-        w.run(b.q, cache)
-    cache.data = cache.view(torch.float16)[:2]  # too few pages for the page table
-    with pytest.raises(ValueError, match="paged_kv_indices refers to page \\d+, beyond the cache's 2 pages"):
-        w.run(b.q, cache)
-
-
-def test_every_plan_checks_the_kept_cache(device):
-    b = _batch(device)
-    w = _paged(b, device)
-    w.run(b.q, b.cache)
-    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 1, 64, 16, q_data_type=torch.float16)
-    with pytest.raises(ValueError, match="k cache has shape \\(\\d+, 16, 2, 64\\); the plan \\(NHD\\) expects "
-                                         "\\[num_pages, 16, 1, 64\\]"):
-        w.run(b.q, b.cache)
-    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16)
-    with pytest.raises(ValueError, match="k cache has dtype torch.float16 but the plan declared torch.bfloat16"):
-        w.run(b.q.to(torch.bfloat16), b.cache)
-
-
-def test_dead_cache_leaves_no_entry(device):
-    b = _batch(device)
-    w = _paged(b, device)
-    caches = [b.cache.clone() for _ in range(3)]
-    for cache in caches:
-        w.run(b.q, cache)
-    assert len(w._caches) == 3
-    dead = weakref.ref(caches[0])
-    del caches[0], cache
-    assert dead() is None and len(w._caches) == 2  # the kept views do not hold the cache (nor its storage)
 
 
 def test_ragged_plain_checks_refuse_as_before(device):
