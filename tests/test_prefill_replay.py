@@ -265,3 +265,69 @@ def test_fp8_attention_replays_its_transpose_with_the_calls_descales(recorded, m
     assert full == [True, True]
     w.run(q8(), cache, **_descales(gen, per_head=True))
     assert full == [True, True, True], "per-head descales replayed a per-tensor launch"
+
+
+class _FakePack:
+    """launch.Pack's face to replay.Gathered: a key, and launches recorded."""
+
+    def __init__(self, launched):
+        self.launched = launched
+
+    def arguments_key(self, args):
+        return (("kw",), ("parts",))
+
+    def launch_keyed(self, grid, args, key):
+        self.launched.append(("copy", args))
+
+
+class _FakeInner:
+    """replay.Replay's face to replay.Gathered: prepare() says whether it may, launch() records."""
+
+    def __init__(self, launched, may=True):
+        self.launched, self.may, self.prepared = launched, may, []
+
+    def prepare(self, q, k, v, out, lse, grid0, gather_ok, scales=None):
+        self.prepared.append((k, v, scales))
+        return ("ready", k, v) if self.may else None
+
+    def launch(self, ready):
+        self.launched.append(ready)
+
+
+def _gathered(launched, may=True, rows=(64, 2, 8)):
+    k, v = torch.randn(6, 16, 2, 8), torch.randn(6, 16, 2, 8)
+    inner = _FakeInner(launched, may)
+    g = replay.Gathered((_FakePack(launched), (k, v, None, None, "plan-tensors"), (6, 1)), inner, k, v, rows,
+                        torch.bfloat16)
+    return g, inner, k, v
+
+
+def test_gathered_copies_then_launches_with_the_calls_scales():
+    launched = []
+    g, inner, k, v = _gathered(launched)
+    q = torch.randn(4, 2, 8).to(torch.bfloat16)
+    scales = (0.5, 2.0, "k-ptr", "v-ptr", False, False)
+    assert g(q, k, v, q, None, 3, scales)
+    (copy, args), ready = launched
+    assert copy == "copy" and args[0] is k and args[1] is v and args[4] == "plan-tensors"
+    ko, vo = args[2], args[3]
+    assert ko.shape == vo.shape == (64, 2, 8) and ko.dtype == torch.bfloat16 and ko is not vo
+    assert ready == ("ready", ko, vo) and inner.prepared[-1][2] is scales  # the rows it copied into, these scales
+
+
+@pytest.mark.parametrize("change", ["other-k", "moved-v", "q-dtype", "switch", "inner-refuses"])
+def test_gathered_launches_nothing_where_it_may_not(change, monkeypatch):
+    launched = []
+    g, inner, k, v = _gathered(launched, may=change != "inner-refuses")
+    q = torch.randn(4, 2, 8).to(torch.bfloat16)
+    if change == "other-k":
+        k = k.clone()
+    elif change == "moved-v":  # the same object, new storage
+        other = v.clone()
+        v.set_(other.untyped_storage(), 0, other.shape, other.stride())
+    elif change == "q-dtype":
+        q = q.to(torch.float16)
+    elif change == "switch":
+        monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "force")
+    assert not g(q, k, v, q, None, 3, (1.0, 1.0, None, None, False, False))
+    assert launched == [], f"{change}: launched {launched}"
