@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import serveattn
+from serveattn import knobs
 from triton.runtime.jit import JITFunction
 
 from serveattn.kernels import attention
@@ -281,14 +282,17 @@ class _FakePack:
 
 
 class _FakeInner:
-    """replay.Replay's face to replay.Gathered: prepare() says whether it may, launch() records."""
+    """replay.Replay's face to replay.Gathered: prepare() says whether it may (as Replay, not where a watched
+    switch moved since it was made), launch() records."""
 
     def __init__(self, launched, may=True):
         self.launched, self.may, self.prepared = launched, may, []
+        self.switches = knobs.snapshot(replay.SWITCHES)
 
     def prepare(self, q, k, v, out, lse, grid0, gather_ok, scales=None):
         self.prepared.append((k, v, scales))
-        return ("ready", k, v) if self.may else None
+        may = self.may and knobs.snapshot(replay.SWITCHES) == self.switches
+        return ("ready", k, v) if may else None
 
     def launch(self, ready):
         self.launched.append(ready)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import widen
-from .launch import Pack, launch as launch_jit
+from .launch import Pack
 from .sizes import cdiv, next_pow2
 
 TILE_ELEMENTS = 16384  # values a program moves per tensor (8 warps: 64 a thread)
@@ -50,8 +50,8 @@ def gather_widen_kernel(K, V, KO, VO, page_req, kv_indptr, kv_indices, last_page
 def gather_widen(k, v, ko, vo, page_req, kv_indptr, kv_indices, last_page_len, tok_indptr, sk, sv,
                  page_size: int, head_dim: int, num_pages: int, num_kv_heads: int, memo=None):
     """Launches gather_widen_kernel over num_pages table entries (sk/sv: (page, slot, head) strides). memo: the
-    plan's launch memo, which keeps the launch's Pack (the plan's tensors, page_req to tok_indptr, keyed once);
-    returns (Pack, arguments, grid) then, for a replay (kernels/replay.Gathered)."""
+    plan's launch memo, which keeps the launch's Pack (the plan's tensors, page_req to tok_indptr, keyed once).
+    Returns (Pack, arguments, grid), for a replay (kernels/replay.Gathered)."""
     if num_pages == 0:
         return None
     block_s = next_pow2(page_size)
@@ -61,9 +61,7 @@ def gather_widen(k, v, ko, vo, page_req, kv_indptr, kv_indices, last_page_len, t
     args = (k, v, ko, vo, page_req, kv_indptr, kv_indices, last_page_len, tok_indptr,
             *sk, *sv, ko.stride(0), ko.stride(1), num_kv_heads)
     kwargs = dict(PAGE_SIZE=page_size, BLOCK_S=block_s, HEADS=heads, HEAD_DIM=head_dim, num_warps=8)
-    if memo is None:
-        launch_jit(gather_widen_kernel, grid, *args, **kwargs)
-        return None
+    memo = {} if memo is None else memo
     pack = memo.get("gather_widen")
     if pack is None:
         pack = memo["gather_widen"] = Pack(gather_widen_kernel, args, kwargs, (4, 5, 6, 7, 8))

@@ -173,7 +173,8 @@ class Gathered:
     """A paged plan's call through attention._launch_gathered repeated: its pages copied into new ragged rows of q's
     dtype (the plan's gather Pack and key; the same cache objects at the same address as the first call's), then
     the ragged plan's Replay of the warp-specialized launch over those rows, with this call's k_scale/v_scale
-    (kv_scale_args: floats or device tensors, as the first call's). None of it launches where the Replay may not."""
+    (kv_scale_args: floats or device tensors, as the first call's). None of it launches where the Replay may not
+    (which also watches the switches: made in the same call, it holds the same snapshot)."""
 
     def __init__(self, gather, inner: Replay, k, v, rows_shape, rows_dtype):
         g_pack, g_args, g_grid = gather
@@ -183,13 +184,12 @@ class Gathered:
         self.inner = inner
         self.rows = (rows_shape, rows_dtype)
         self.held = (weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(), k.shape, k.stride(), v.stride())
-        self.switches = knobs.snapshot(SWITCHES)
 
     def __call__(self, q, k, v, out, lse, grid0: int, scales) -> bool:
         k_ref, v_ref, k_ptr, v_ptr, shape, k_strides, v_strides = self.held
         if (self.g_key is None or k_ref() is not k or v_ref() is not v or k.data_ptr() != k_ptr
                 or v.data_ptr() != v_ptr or k.shape != shape or k.stride() != k_strides or v.stride() != v_strides
-                or q.dtype != self.rows[1] or knobs.snapshot(SWITCHES) != self.switches):
+                or q.dtype != self.rows[1]):
             return False
         ko = torch.empty(self.rows[0], dtype=self.rows[1], device=q.device)
         vo = torch.empty(self.rows[0], dtype=self.rows[1], device=q.device)
