@@ -115,6 +115,9 @@ def main():
                 use_tensor_cores=tc)
             replan_us = per_call_us(lambda: g.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             print(f"    CUDA-graph wrapper re-plan (captured buffers): {replan_us:.1f} us")
+            if args.profile and batch == 256:
+                profile(f"CUDA-graph decode re-plan, batch 256, {'tensor-core' if tc else 'bandwidth'} route",
+                        lambda: g.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             fi = _flashinfer()
             if fi is not None:  # the peer's host cost on this host, same calls (after gpu_run.sh fi-setup)
                 fw = fi.BatchDecodeWithPagedKVCacheWrapper(fi_ws, "NHD", use_tensor_cores=tc)

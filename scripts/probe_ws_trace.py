@@ -5,7 +5,11 @@ softmax(0), the steady block loop (per block), the last P.V, the epilogue, and t
 same SM. Cycles, and us at
 the clock the call implies (stamped cycles over the call's CUDA-event time).
 
-    PYTHONPATH=$PWD python3 scripts/probe_ws_trace.py [--cases 1x4096,16x2048] [--kinds bf16,fp8]
+    PYTHONPATH=$PWD python3 scripts/probe_ws_trace.py [--cases 1x4096,16x2048] [--kinds bf16,fp8] [--save DIR]
+
+Each part: its mean, its median, and its mean over each (program, group)'s first task against the later ones (a
+kernel's start, cold caches and descriptors, weighs on a mean of few tasks a program). --save writes the raw stamps
+([tasks, group, slot] int64) and the call's ms as DIR/ws-trace-CASE-KIND.npz.
 
 Paged causal prefill, GQA 32/8, head dim 128, page 16 (scripts/probe_prefill.py's inputs). Results are wrong by
 design in this mode (no LSE); the output is not checked.
@@ -83,11 +87,22 @@ def report(case: str, kind: str, stamps: np.ndarray, ms: float) -> None:
     nb = n_blocks[sel]
     parts = per[sel]
     loop_blocks = np.maximum(nb - 1, 1)
-    print(f"    {'part':18s} {'mean cycles':>12s} {'mean us':>8s} {'share':>6s}")
+    # each (program, group)'s first task: the earliest start among its tasks
+    first = np.zeros_like(sel)
+    for g in range(2):
+        for p in np.unique(sm[ran[:, g], g]):
+            mine = np.flatnonzero(ran[:, g] & (sm[:, g] == p))
+            first[mine[np.argmin(stamps[mine, g, 0])], g] = True
+    is_first = first[sel]
+    print(f"    {'part':18s} {'mean cycles':>12s} {'mean us':>8s} {'share':>6s} {'median':>8s} {'1st tasks':>10s} "
+          f"{'later':>8s}")
     total = parts.sum(axis=1).mean()
     for i, name in enumerate(PARTS):
         mean = parts[:, i].mean()
-        print(f"    {name:18s} {mean:12.0f} {mean / ghz / 1e3:8.3f} {mean / total:6.1%}")
+        firsts = parts[is_first, i].mean() if is_first.any() else float("nan")
+        later = parts[~is_first, i].mean() if (~is_first).any() else float("nan")
+        print(f"    {name:18s} {mean:12.0f} {mean / ghz / 1e3:8.3f} {mean / total:6.1%} {np.median(parts[:, i]):8.0f} "
+              f"{firsts:10.0f} {later:8.0f}")
     per_block = (parts[:, LOOP][nb > 1] / loop_blocks[nb > 1])
     fixed = total - (nb - 1).mean() * np.median(per_block)
     print(f"    block loop: {np.median(per_block):.0f} cycles a block (median; {np.median(per_block) / ghz / 1e3:.3f} "
@@ -111,10 +126,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x4096,16x2048")
     ap.add_argument("--kinds", default="bf16,fp8")
+    ap.add_argument("--save", help="folder for the raw stamps (.npz a case and kind)")
     args = ap.parse_args()
     for case in args.cases.split(","):
         for kind in args.kinds.split(","):
-            report(case, kind, *traced(case, kind))
+            stamps, ms = traced(case, kind)
+            if args.save:
+                os.makedirs(args.save, exist_ok=True)
+                np.savez_compressed(os.path.join(args.save, f"ws-trace-{case}-{kind}.npz"), stamps=stamps, ms=ms)
+            report(case, kind, stamps, ms)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
-        if use_cuda_graph and paged_kv_last_page_len_buffer is None:
+        if use_cuda_graph and not all(isinstance(b, torch.Tensor) for b in (
+                paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)):
             policy.refuse(self._entry, "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer "
                                        "and paged_kv_last_page_len_buffer: their sizes fix the batch and page "
                                        "capacity of the captured graph.")
@@ -205,13 +206,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._backend_request = backend
         self._bufs = dict(kv_indptr=paged_kv_indptr_buffer, kv_indices=paged_kv_indices_buffer,
                           last_page_len=paged_kv_last_page_len_buffer)
+        # under CUDA graphs the batch capacity, which fixes the tiles from capture on (read once: a torch call)
+        self._graph_cap = paged_kv_last_page_len_buffer.numel() if use_cuda_graph else None
         self._plan: Optional[DecodePlan] = None
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
         self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
-        self._graph_bufs: Optional[dict] = None
+        self._graph_bufs: Optional[staging.Captured] = None
         self._graph_signature = None
         self._graph_route: Optional["routing.Decision"] = None  # under use_cuda_graph: the first plan's route
         self._decision: Optional["routing.Decision"] = None
@@ -289,7 +292,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
                                 last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
-                                batch_cap=self._graph_capacity())
+                                batch_cap=self._graph_cap)
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -297,11 +300,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._graph_q_len = q_len_per_req
         self.backend = "triton"
         self._decided(decision)
-
-    def _graph_capacity(self) -> Optional[int]:
-        """Under CUDA graphs the batch capacity (its buffers'), which fixes the tiles from capture on; else None."""
-        buf = self._bufs["last_page_len"]
-        return buf.numel() if self._use_cuda_graph and buf is not None else None
 
     def _decided(self, decision: "routing.Decision") -> None:
         """After a plan is installed: the route's reasons, and under CUDA graphs the route that holds."""
@@ -334,7 +332,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if wrapper is None or not self._use_cuda_graph:
             kw = {}
             if self._use_cuda_graph:
-                cap = self._bufs["last_page_len"].numel()
+                cap = self._graph_cap
                 kw = dict(qo_indptr_buf=torch.arange(cap + 1, dtype=torch.int32, device=self.device),
                           paged_kv_indptr_buf=self._bufs["kv_indptr"], paged_kv_indices_buf=self._bufs["kv_indices"],
                           paged_kv_last_page_len_buf=self._bufs["last_page_len"])
@@ -367,7 +365,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         partials = self._partials_memo[1]
         names = _PLAN_ARRAYS
         if FUSED_MERGE:  # allocated (zeroed) here, never inside run(): a captured graph must not re-zero it
-            cap = self._bufs["last_page_len"].numel() if self._use_cuda_graph else plan.batch
+            cap = self._graph_cap if self._use_cuda_graph else plan.batch
             if self._done_count is None or self._done_count.numel() < cap * plan.num_kv_heads:
                 self._done_count = torch.zeros(max(cap, 1) * plan.num_kv_heads, dtype=torch.int32,
                                                device=self.device)
@@ -378,31 +376,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._plan = plan
             return
         # the plan is this call's own: set in place (a replace() of the dataclass costs ~10 us of host time)
-        for name, t in (*partials.items(), *((n, torch.from_numpy(getattr(plan, n))) for n in _OWN_ARRAYS)):
+        for name, t in partials.items():
             setattr(plan, name, t)
-        bufs = self._graph_bufs or self._allocate_graph_buffers(entry, plan)
-        if self._graph_signature is not None and plan.static_signature() != self._graph_signature:
+        bufs = self._graph_bufs or staging.Captured(self._allocate_graph_buffers(entry, plan))
+        signature = plan.static_signature()
+        if self._graph_signature is not None and signature != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
                                  "table; heads, head dim, dtypes, page size, window, soft cap and sm_scale must stay "
                                  "as first planned.")
-        for name in names:
-            t = getattr(plan, name)
-            if t.numel() > bufs[name].numel():
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its {name} "
-                                     f"buffer, which holds {bufs[name].numel()}.")
+        arrays = {n: getattr(plan, n) for n in names}  # the first four: this plan's numpy arrays
+        for name, t in arrays.items():
+            if staging.size(t) > bufs.caps[name]:
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {staging.size(t)} entries in its "
+                                     f"{name} buffer, which holds {bufs.caps[name]}.")
         # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
-        arrays = {n: getattr(plan, n) for n in names}
-        slots = np.zeros(bufs["req_num_slots"].numel(), dtype=np.int32)  # requests past the batch: nothing to merge
-        slots[: plan.batch] = plan.req_num_slots.numpy()
+        slots = np.zeros(bufs.caps["req_num_slots"], dtype=np.int32)  # requests past the batch: nothing to merge
+        slots[: plan.batch] = plan.req_num_slots
         arrays["req_num_slots"] = slots
         staging.to_buffers(arrays, bufs)
-        self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
+        self._graph_bufs, self._graph_signature = bufs, signature
         for name in names:
             setattr(plan, name, bufs[name])
         self._plan = plan
 
     def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
-        cap = self._bufs["last_page_len"].numel()
+        cap = self._graph_cap
         for name, want in (("kv_indptr", cap + 1), ("kv_indices", 1), ("last_page_len", 1)):
             buf = self._bufs[name]
             if buf is None or buf.dtype != torch.int32 or buf.device != self.device or buf.numel() < want:

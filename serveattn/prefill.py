@@ -456,7 +456,7 @@ class _PrefillWrapper:
         self._backend_request = backend
         self._plan: Optional[Plan] = None
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
-        self._graph_bufs: Optional[dict] = None  # under use_cuda_graph: the buffers the captured graph reads
+        self._graph_bufs: Optional[staging.Captured] = None  # under use_cuda_graph: what the captured graph reads
         self._graph_signature = None
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
@@ -491,16 +491,19 @@ class _PrefillWrapper:
         """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
         bufs = self.check_graph_plan(self._entry + ".plan", plan)
         # Every check passed: only now are the captured buffers overwritten (one staged copy: staging.to_buffers).
-        staging.to_buffers({n: getattr(plan, n) for n in _ARRAYS if getattr(plan, n) is not None}, bufs)
+        arrays = {n: t for n in _ARRAYS if (t := getattr(plan, n)) is not None}
+        staging.to_buffers(arrays, bufs)
         self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
-        return replace(plan, **{n: bufs[n] for n in _ARRAYS if getattr(plan, n) is not None})
+        for name in arrays:  # the plan is this call's own (see _commit): set in place, not replace()d
+            setattr(plan, name, bufs[name])
+        return plan
 
-    def check_graph_plan(self, entry: str, plan: Plan) -> dict:
+    def check_graph_plan(self, entry: str, plan: Plan) -> staging.Captured:
         """Every refusal installing `plan` under use_cuda_graph=True could raise, raised before any write;
         returns the fixed buffers the plan would be written into (the cascade wrapper checks all its levels
         with this before the first level commits)."""
         if self._graph_bufs is None:
-            return self._checked_sizes(entry, plan, self._allocate_graph_buffers(entry, plan))
+            return self._checked_sizes(entry, plan, staging.Captured(self._allocate_graph_buffers(entry, plan)))
         if plan.static_signature() != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
                                  "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
@@ -511,12 +514,12 @@ class _PrefillWrapper:
         return self._checked_sizes(entry, plan, self._graph_bufs)
 
     @staticmethod
-    def _checked_sizes(entry: str, plan: Plan, bufs: dict) -> dict:
+    def _checked_sizes(entry: str, plan: Plan, bufs: staging.Captured) -> staging.Captured:
         for name in _ARRAYS:
             t = getattr(plan, name)
-            if t is not None and t.numel() > bufs[name].numel():
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {t.numel()} entries in its "
-                                     f"{name} buffer, which holds {bufs[name].numel()}; give larger buffers "
+            if t is not None and staging.size(t) > bufs.caps[name]:
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {staging.size(t)} entries in its "
+                                     f"{name} buffer, which holds {bufs.caps[name]}; give larger buffers "
                                      f"(or workspace) at construction.")
         return bufs
 

@@ -190,14 +190,43 @@ def _ring(device: torch.device) -> _PinnedRing:
     return ring
 
 
-def to_buffers(arrays: Dict[str, Union[torch.Tensor, np.ndarray]], bufs: Dict[str, torch.Tensor]) -> None:
-    """Each array (host or device) into the start of bufs[name] (tensors of its dtype, large enough, all on one
-    device: the buffers a captured graph reads): host arrays bound for CUDA packed into one pinned buffer, then one
-    driver copy each straight into its buffer (torch's copy_ of a slice costs two torch calls a buffer); anything
-    else by copy_."""
+class Captured:
+    """The buffers a captured CUDA graph reads, by name (1-D tensors of one device, fixed at a wrapper's first plan
+    under use_cuda_graph=True), with what every re-plan asks of each read once: its capacity, dtype and address. A
+    re-plan is paid every serving step, and each read of a tensor's attribute is a torch call of host time (0.3-1
+    us on the H200 host; re-plans read ~5 a buffer before this)."""
+    __slots__ = ("bufs", "caps", "dtypes", "ptrs", "device")
+
+    def __init__(self, bufs: Dict[str, torch.Tensor]):
+        self.bufs = bufs
+        self.caps = {name: b.numel() for name, b in bufs.items()}
+        self.dtypes = {name: b.dtype for name, b in bufs.items()}
+        # an address where the driver may copy straight into the buffer: contiguous, on the current CUDA device
+        self.device = None
+        self.ptrs = {}
+        first = next(iter(bufs.values()), None)
+        if first is not None and first.device.type == "cuda":
+            self.device = first.device if first.device.index is not None else torch.device(
+                "cuda", torch.cuda.current_device())
+            self.ptrs = {name: b.data_ptr() for name, b in bufs.items()
+                         if b.is_contiguous() and b.device == self.device}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.bufs[name]
+
+
+def size(t: Union[torch.Tensor, np.ndarray]) -> int:
+    """Elements of a plan array (numpy: an attribute read, not a torch call)."""
+    return t.size if isinstance(t, np.ndarray) else t.numel()
+
+
+def to_buffers(arrays: Dict[str, Union[torch.Tensor, np.ndarray]], bufs: Captured) -> None:
+    """Each array (host or device) into the start of bufs[name] (large enough, of its dtype): host arrays bound
+    for CUDA packed into one pinned buffer, then one driver copy each straight into its buffer (torch's copy_ of a
+    slice costs two torch calls a buffer); anything else by copy_."""
     host = {}
     for name, t in arrays.items():
-        if (isinstance(t, np.ndarray) or t.device.type == "cpu") and bufs[name].device.type == "cuda":
+        if bufs.device is not None and (isinstance(t, np.ndarray) or t.device.type == "cpu"):
             host[name] = t
         else:
             src = torch.as_tensor(t)
@@ -205,20 +234,20 @@ def to_buffers(arrays: Dict[str, Union[torch.Tensor, np.ndarray]], bufs: Dict[st
     if not host:
         return
     arrays_np = _host_arrays(host)
-    device = bufs[next(iter(host))].device
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bufs.device
     layout, total = _layout(arrays_np)
     ring = _ring(device)
     staged, staged_np, slot = ring.stage(max(total, _ALIGN))
     _fill(staged_np, arrays_np, layout)
+    base = staged.data_ptr()
     for name, start, nbytes, dtype, _ in layout:
         if not nbytes:
             continue
-        buf = bufs[name]
-        if ring.driver is not None and buf.dtype == dtype and buf.is_contiguous():
-            ring.driver.copy(buf.data_ptr(), staged.data_ptr() + start, nbytes, device)
+        ptr = bufs.ptrs.get(name)
+        if ring.driver is not None and ptr is not None and bufs.dtypes[name] == dtype:
+            ring.driver.copy(ptr, base + start, nbytes, device)
         else:  # torch's copy_ follows any strides and converts any dtype
+            buf = bufs[name]
             flat = buf.view(-1) if buf.is_contiguous() else buf  # the buffers are 1-D
             flat[: nbytes // dtype.itemsize].copy_(staged[start:start + nbytes].view(dtype), non_blocking=True)
     ring.copied(slot, device)

@@ -155,10 +155,25 @@ def test_to_buffers_writes_each_array_at_its_buffers_start():
                   c=torch.randint(0, 1 << 40, (5,), generator=gen, dtype=torch.int64),
                   d=torch.arange(11, dtype=torch.int32, device="cuda"))
     torch.randn(4096, 4096, device="cuda") @ torch.randn(4096, 4096, device="cuda")  # the copies queue behind it
-    staging.to_buffers(arrays, bufs)
+    captured = staging.Captured(bufs)
+    assert set(captured.ptrs) == {"a", "c", "d"}  # the strided buffer goes through torch
+    staging.to_buffers(arrays, captured)
     torch.cuda.synchronize()
     for name, t in arrays.items():
         t = torch.as_tensor(t).cpu()
         got = bufs[name].cpu()
         assert torch.equal(got[: t.numel()], t) and bool((got[t.numel():] == -7).all()), name
     assert bool((strided_base[1::2] == -7).all())
+
+
+def test_captured_reads_each_buffer_once_and_to_buffers_fills_host_buffers():
+    """staging.Captured holds what a re-plan asks of the captured buffers (capacity, dtype; addresses only for
+    CUDA ones); to_buffers into host buffers goes through copy_ and leaves the bytes past each array alone."""
+    import numpy as np
+    bufs = dict(a=torch.full((8,), -7, dtype=torch.int32), b=torch.full((4,), -7, dtype=torch.int64))
+    captured = staging.Captured(bufs)
+    assert captured.caps == {"a": 8, "b": 4} and captured.dtypes == {"a": torch.int32, "b": torch.int64}
+    assert captured.device is None and captured.ptrs == {} and captured["a"] is bufs["a"]
+    assert staging.size(np.zeros(5)) == 5 and staging.size(torch.zeros(3, 2)) == 6
+    staging.to_buffers(dict(a=np.arange(5, dtype=np.int32), b=torch.tensor([3, 4], dtype=torch.int64)), captured)
+    assert bufs["a"].tolist() == [0, 1, 2, 3, 4, -7, -7, -7] and bufs["b"].tolist() == [3, 4, -7, -7]

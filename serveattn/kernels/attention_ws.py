@@ -83,10 +83,6 @@ EPILOGUE_SMEM = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_EPILOGUE_SMEM"
 ROWSUM_N = gl.constexpr(8)
 # fp8: a thread skips the accumulator's rescale when the row max of both its rows stayed (bits unchanged: _rescale)
 SKIP_RESCALE = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_SKIP_RESCALE", "1") == "1")
-# SERVEATTN_PREFILL_WS_Q_EARLY=1 (measuring; session 22, not yet run on the GPU): the producer fetches the next
-# task's q once it has issued this task's last K, not after its last V: the trace had a consumer wait ~800 cycles
-# for q at each task's start (16x2048: 3% of a task)
-Q_EARLY = gl.constexpr(os.environ.get("SERVEATTN_PREFILL_WS_Q_EARLY", "0") == "1")
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
 MAX_REGS = 168  # 12 warps (two consumer groups + the producer's group) x 168 fills the register file
@@ -227,17 +223,9 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
         vt_base = 0
         if V_T:  # the request's first column in V^T (padded to whole blocks, zero-filled past kv_len)
             vt_base = gl.load(kv_tok_indptr + gl.load(work + 2 * w))
-        if Q_TMA and not Q_EARLY:  # the item's query rows, into the buffer every q.K^T of the item two back is done with
+        if Q_TMA:  # the item's query rows, into the buffer every q.K^T of the item two back is done with
             _fetch_q(q_desc, q_smem, q_ready, q_empty, items, q_start + tile * (BLOCK_M // GROUP), kvh, GROUP)
             items += 1
-        if Q_TMA and Q_EARLY:  # the first task's q here; each next one's (rounds - items of them) with the last K
-            if r == 0:
-                _fetch_q(q_desc, q_smem, q_ready, q_empty, items, q_start + tile * (BLOCK_M // GROUP), kvh, GROUP)
-                items += 1
-            t_next = _task(gl.minimum(r + 1, rounds - 1))
-            w_next = t_next // KV_HEADS
-            tok_next = gl.load(qo_indptr + gl.load(work + 2 * w_next)) + gl.load(work + 2 * w_next + 1) * (
-                BLOCK_M // GROUP)
         # consumers take K(0), K(1), V(0), K(2), V(1), ...: issue in that order
         if n_blocks > 0:
             rows = _block_rows(kv_indices, kv_base, kv_len, 0, k_page_rows, k_row, PAGE_SIZE, BOX, PAGED)
@@ -251,10 +239,6 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 st = g % STAGES
                 mbarrier.wait(k_empty.index(st), ((g // STAGES) & 1) ^ 1)
                 _fetch(k_desc, k_smem.index(st), k_ready.index(st), rows, k_col, BOX)
-                if Q_TMA and Q_EARLY:
-                    if j + 2 == n_blocks and r + 1 < rounds:  # this task's last K is issued: the next task's q
-                        _fetch_q(q_desc, q_smem, q_ready, q_empty, items, tok_next, t_next % KV_HEADS, GROUP)
-                        items += 1
             g = done + j
             st = g % STAGES
             if V_T:  # fp8 attention: V^T [kv head * dim, token] (attention.transpose_v_kernel), one copy a block
@@ -269,10 +253,6 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k
                 rows = _block_rows(kv_indices, kv_base, kv_len, j, v_page_rows, v_row, PAGE_SIZE, BOX, PAGED)
                 mbarrier.wait(v_empty.index(st), ((g // STAGES) & 1) ^ 1)
                 _fetch(v_desc, v_smem.index(st), v_ready.index(st), rows, v_col, BOX)
-        if Q_TMA and Q_EARLY:
-            if n_blocks <= 1 and r + 1 < rounds:  # no K after K(0): the next task's q after this task's loads
-                _fetch_q(q_desc, q_smem, q_ready, q_empty, items, tok_next, t_next % KV_HEADS, GROUP)
-                items += 1
         done += n_blocks
 
 
