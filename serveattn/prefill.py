@@ -276,10 +276,6 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
-        if graph_tiles:  # the CUDA-graph install and the cascade's checks read tensors
-            plan.num_work = torch.from_numpy(plan.num_work)
-            if isinstance(qo_indptr, np.ndarray):
-                plan.qo_indptr = torch.from_numpy(qo_indptr)
         if mask_host is not None:
             plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(*mask_lens), bitorder="little")
         plan.tree_mask = tree_mask
