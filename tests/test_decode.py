@@ -253,6 +253,9 @@ def test_decode_refusals(device):
         w.plan(b.kv_indptr.long(), *args[1:], q_data_type=torch.float16)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):
         serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):  # one of the three
+        serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                                     paged_kv_last_page_len_buffer=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="run\\(\\) was called before plan\\(\\)"):
         w.run(b.q[:2], b.cache)
     w.plan(*args, q_data_type=torch.float16)
