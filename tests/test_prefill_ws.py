@@ -63,11 +63,11 @@ def test_fp8_key_order_hands_p_over_without_lane_shuffles(tmp_path):
 
 
 def test_measuring_switches_compile(tmp_path):
-    """The measuring switches SERVEATTN_PREFILL_WS_TRACE (%clock64 stamps into the LSE buffer, scripts/probe_ws_trace.py)
-    and SERVEATTN_PREFILL_WS_Q_EARLY (the next task's q fetched with this task's last K) keep compiling, beside the
-    default epilogue (the output through shared memory: 16-byte stores, 8 a thread, instead of 32 of 4 bytes)."""
+    """The measuring switch SERVEATTN_PREFILL_WS_TRACE (%clock64 stamps into the LSE buffer, scripts/probe_ws_trace.py)
+    keeps compiling, beside the default epilogue (the output through shared memory: 16-byte stores, 8 a thread,
+    instead of 32 of 4 bytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, SERVEATTN_PREFILL_WS_TRACE="1", SERVEATTN_PREFILL_WS_Q_EARLY="1")
+    env.update(PYTHONPATH=ROOT, SERVEATTN_PREFILL_WS_TRACE="1")
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
            "--q", "bf16", "--dump", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
