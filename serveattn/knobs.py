@@ -26,7 +26,6 @@ def get(name: str, default: str) -> str:
     return default if value is None else environ.decodevalue(value)
 
 
-
 def snapshot(names: tuple) -> tuple:
     """The values of names as os.environ holds them (None where unset), to compare with a later snapshot."""
     environ = os.environ

@@ -485,22 +485,23 @@ class _PrefillWrapper:
 
     def _install_graph_plan(self, plan: Plan) -> Plan:
         """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
-        bufs = self.check_graph_plan(self._entry + ".plan", plan)
+        signature = plan.static_signature()
+        bufs = self.check_graph_plan(self._entry + ".plan", plan, signature)
         # Every check passed: only now are the captured buffers overwritten (one staged copy: staging.to_buffers).
         arrays = {n: t for n in _ARRAYS if (t := getattr(plan, n)) is not None}
         staging.to_buffers(arrays, bufs)
-        self._graph_bufs, self._graph_signature = bufs, plan.static_signature()
+        self._graph_bufs, self._graph_signature = bufs, signature
         for name in arrays:  # the plan is this call's own (see _commit): set in place, not replace()d
             setattr(plan, name, bufs[name])
         return plan
 
-    def check_graph_plan(self, entry: str, plan: Plan) -> staging.Captured:
+    def check_graph_plan(self, entry: str, plan: Plan, signature=None) -> staging.Captured:
         """Every refusal installing `plan` under use_cuda_graph=True could raise, raised before any write;
         returns the fixed buffers the plan would be written into (the cascade wrapper checks all its levels
-        with this before the first level commits)."""
+        with this before the first level commits). signature: plan.static_signature(), where the caller has it."""
         if self._graph_bufs is None:
             return self._checked_sizes(entry, plan, staging.Captured(self._allocate_graph_buffers(entry, plan)))
-        if plan.static_signature() != self._graph_signature:
+        if (plan.static_signature() if signature is None else signature) != self._graph_signature:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
                                  "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
                                  "soft cap, sm_scale and positional encoding must stay as first planned.")

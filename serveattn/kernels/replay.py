@@ -199,4 +199,3 @@ class Gathered:
         self.g_pack.launch_keyed(self.g_grid, (k, v, ko, vo) + self.g_rest, self.g_key)
         self.inner.launch(ready)
         return True
-
