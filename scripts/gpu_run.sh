@@ -224,13 +224,19 @@ step_probe_decode_tiles() {  # the bandwidth decode kernel (backend triton) unde
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_decode_split() {  # split-KV at small batch: programs per SM x shortest chunk (bandwidth kernel)
+step_probe_decode_split() {  # split-KV at small batch under other split settings (bandwidth kernel)
+  # SPLIT_SETTINGS: ";"-separated settings, each a space-separated list of VAR=value (one bench process each,
+  # SPLIT_ROUNDS times in turn); SPLIT_CASES: the bench's --cases.
+  local settings=${SPLIT_SETTINGS:-"SERVEATTN_DECODE_MIN_CHUNK=256;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_MIN_CHUNK=1024;SERVEATTN_DECODE_MIN_CHUNK=2048"}
+  local cases=${SPLIT_CASES:-1x8192,8x4096,32x2048}
+  local list st r
+  IFS=';' read -ra list <<< "$settings"
   {
-    for pps in 2 4; do
-      for min_chunk in 128 256; do
-        echo "== SERVEATTN_DECODE_PROGRAMS_PER_SM=$pps SERVEATTN_DECODE_MIN_CHUNK=$min_chunk"
-        SERVEATTN_DECODE_PROGRAMS_PER_SM=$pps SERVEATTN_DECODE_MIN_CHUNK=$min_chunk timeout 120 \
-          python3 -m serveattn.bench decode --cases 1x8192,8x4096,32x2048 --peers cudnn --ours cc,cc-graph --passes 1
+    for r in $(seq "${SPLIT_ROUNDS:-1}"); do
+      for st in "${list[@]}"; do
+        echo "== $st (round $r)"
+        env $st timeout 120 python3 -m serveattn.bench decode --cases "$cases" --peers cudnn-graph \
+          --ours cc,cc-graph --passes 1
       done
     done
   } 2>&1 | grep -E "^==|^\| " | tee "$OUT/probe-decode-split.txt"
