@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from serveattn.kernels.attention import prefill_kernel  # noqa: E402
-from serveattn.kernels.decode import decode_kernel, lse_slots, merge_slots, tile_rows  # noqa: E402
+from serveattn.kernels.decode import decode_kernel, merge_slots, tile_rows  # noqa: E402
 from serveattn.kernels.sizes import next_pow2  # noqa: E402
 from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
 
@@ -50,8 +50,7 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=True, HAS_WINDOW=False,
                       SOFT_CAP=False, RETURN_LSE=False, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
                       QLEN=q_len, FUSED_MERGE=fused_merge, MERGE_ROWS=next_pow2(q_len * group),
-                      MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim) if fused_merge else 1,
-                      MERGE_LSE_SLOTS=lse_slots(next_pow2(q_len * group), warps) if fused_merge else 1)
+                      MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim) if fused_merge else 1)
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 

@@ -2,9 +2,11 @@
 CUDA-graph decode (the decode kernel and the split-KV merge) and cuDNN SDPA on the same shapes, next to the
 replay's wall time per call (back-to-back replays, CUDA events).
 
-    PYTHONPATH=$PWD python3 scripts/probe_decode_profile.py [--cases 1x8192,8x4096,32x2048] [--kv fp8]
+    PYTHONPATH=$PWD python3 scripts/probe_decode_profile.py [--cases 1x8192,8x4096,32x2048] [--kv fp8] [--flush]
 
-Prints per case: the chunking the plan chose, the replay time, and each kernel's mean device time.
+Prints per case: the chunking the plan chose, the replay time, and each kernel's mean device time. --flush: the
+bench's conditions instead (the L2 flushed before every call, as triton.testing.do_bench does; the replay's time
+is do_bench's median, the flush kernel listed with the others), cuDNN replayed from a CUDA graph too.
 """
 import argparse
 import collections
@@ -20,10 +22,15 @@ from serveattn.bench import common
 HQ, HKV, D, PS = 32, 8, 128, 16
 
 
+FLUSH = []  # [the L2-sized buffer zeroed before each profiled call] under --flush
+
+
 def kernel_times(fn, reps):
     """{kernel name: (calls per fn call, mean us)} from the profiler's device events."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if FLUSH:
+                FLUSH[0].zero_()
             fn()
         torch.cuda.synchronize()
     acc = collections.defaultdict(list)
@@ -34,7 +41,10 @@ def kernel_times(fn, reps):
 
 
 def event_us(fn):
-    """Mean us per call back to back (the bench's own measure: CUDA events around a loop, no L2 flush)."""
+    """Mean us per call back to back (CUDA events around a loop, no L2 flush), or under --flush the bench's
+    measure (do_bench's median, the L2 flushed before each call)."""
+    if FLUSH:
+        return common.bench_ms(fn, warmup_ms=10, rep_ms=40) * 1e3
     return common.back_to_back_ms(fn, warmup_ms=10, rep_ms=40) * 1e3
 
 
@@ -63,7 +73,8 @@ def case(batch, kv, kv_dtype):
     replay = event_us(g.replay)
     chunks = f"work items {p.num_work_host}, slots {p.num_slots}, tiles {p.tiles}"
     print(f"== {batch}x{kv} kv {kv_dtype}: {chunks}")
-    print(f"   ours, graph replay back to back: {replay:.1f} us per call")
+    how = "after an L2 flush (median)" if FLUSH else "back to back"
+    print(f"   ours, graph replay {how}: {replay:.1f} us per call")
     for name, (n, us) in sorted(kernel_times(g.replay, 100).items(), key=lambda x: -x[1][1]):
         print(f"     {us:8.2f} us  x{n:.0f}  {name}")
     if kv_dtype == "bf16":
@@ -75,16 +86,28 @@ def case(batch, kv, kv_dtype):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(qb, k, v, enable_gqa=True)
 
-        print(f"   cuDNN SDPA eager, back to back: {event_us(cudnn):.1f} us per call")
+        print(f"   cuDNN SDPA eager, {how}: {event_us(cudnn):.1f} us per call")
         for name, (n, us) in sorted(kernel_times(cudnn, 100).items(), key=lambda x: -x[1][1]):
             print(f"     {us:8.2f} us  x{n:.0f}  {name}")
+        if FLUSH:
+            cudnn()
+            torch.cuda.synchronize()
+            gc = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gc):
+                cudnn()
+            print(f"   cuDNN SDPA, graph replay {how}: {event_us(gc.replay):.1f} us per call")
+            for name, (n, us) in sorted(kernel_times(gc.replay, 100).items(), key=lambda x: -x[1][1]):
+                print(f"     {us:8.2f} us  x{n:.0f}  {name}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x8192,8x4096,32x2048")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"))
+    ap.add_argument("--flush", action="store_true", help="the L2 flushed before each call (the bench's way)")
     args = ap.parse_args()
+    if args.flush:
+        FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     torch.manual_seed(0)
     for c in args.cases.split(","):
         b, kv = (int(x) for x in c.split("x"))

@@ -22,6 +22,7 @@ from . import backend as backends
 from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
+from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
 from .prefill import _cache_views, _pair_views, _plain_run
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -153,26 +154,30 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
     return chunk if chunk < max_kv else None
 
 
-def build_decode_work(kv: np.ndarray, chunk: Optional[int]):
-    """Work items (request, kv_lo, kv_hi, slot) int32 [4 n], and each request's first slot and slot count: numpy
-    arrays, the plan's own until _install stages them."""
+def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int]):
+    """Work items int32 [ITEM_INTS n]: (request, kv_lo, kv_hi, slot, the request's first page (or token), its KV
+    length, its first slot, its slot count), and each request's first slot and slot count (for merge_kernel):
+    numpy arrays, the plan's own until _install stages them. kv_start: each request's first page (or token)."""
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
-        work = np.zeros((batch, 4), dtype=np.int32)
+        work = np.zeros((batch, ITEM_INTS), dtype=np.int32)
         work[:, 0] = np.arange(batch)
         work[:, 2] = kv
         work[:, 3] = -1
+        work[:, 4] = kv_start
+        work[:, 5] = kv
         return work.reshape(-1), batch, np.zeros(batch, dtype=np.int32), np.zeros(batch, dtype=np.int32), 0
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
     index = np.arange(req.size) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-    lo = index * (chunk or 0)
-    hi = np.minimum(lo + chunk, kv[req]) if chunk is not None else kv[req]
+    lo = index * chunk
+    hi = np.minimum(lo + chunk, kv[req])
     slots_per_req = np.where(n_chunks > 1, n_chunks, 0)
     first_slot = np.cumsum(slots_per_req) - slots_per_req
     slot = np.where(n_chunks[req] > 1, first_slot[req] + index, -1)
-    work = np.stack([req, lo, hi, slot], 1).reshape(-1).astype(np.int32)
-    return work, int(req.size), first_slot.astype(np.int32), slots_per_req.astype(np.int32), int(slots_per_req.sum())
+    work = np.stack([req, lo, hi, slot, kv_start[req], kv[req], first_slot[req], slots_per_req[req]], 1)
+    return (work.reshape(-1).astype(np.int32), int(req.size), first_slot.astype(np.int32),
+            slots_per_req.astype(np.int32), int(slots_per_req.sum()))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -290,7 +295,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         max_page = policy.max_page(entry, policy.host_view(indices)[: int(ip[-1])])
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
-                                fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_indices=indices,
+                                fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_start=ip[:-1],
+                                kv_indices=indices,
                                 last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
                                 batch_cap=self._graph_cap)
         self._install(entry, plan)
@@ -409,7 +415,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                      f"(kv_indptr: batch capacity + 1 entries).")
         slot_cap = _slot_capacity(self._workspace, plan.num_qo_heads, plan.head_dim)
         i32 = dict(dtype=torch.int32, device=self.device)
-        return dict(work=torch.empty(4 * (cap + slot_cap), **i32), num_work=torch.empty(1, **i32),
+        # an item for every program at least: each reads its first before it knows the work count
+        items = max(cap + slot_cap, _grid_programs(plan.device))
+        return dict(work=torch.empty(ITEM_INTS * items, **i32), num_work=torch.empty(1, **i32),
                     req_first_slot=torch.zeros(cap, **i32), req_num_slots=torch.zeros(cap, **i32),
                     kv_indptr=self._bufs["kv_indptr"], kv_indices=self._bufs["kv_indices"],
                     last_page_len=self._bufs["last_page_len"])
@@ -476,10 +484,10 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
 
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
-                     disable_split_kv, kv_indptr, kv_indices=None, last_page_len=None, max_page=-1,
+                     disable_split_kv, kv_indptr, kv_start, kv_indices=None, last_page_len=None, max_page=-1,
                      q_len=1, batch_cap=None) -> DecodePlan:
-    """Host validation and the split-KV schedule (kv_lens: numpy); kv_indices None means contiguous (unpaged)
-    K/V."""
+    """Host validation and the split-KV schedule (kv_lens, kv_start: numpy, each request's KV length and first
+    page, or first token); kv_indices None means contiguous (unpaged) K/V."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -488,7 +496,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads),
                          batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
-    work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, chunk)
+    work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
@@ -519,8 +527,13 @@ def _to_device(plan: DecodePlan, device) -> DecodePlan:
 def _grid(plan: DecodePlan, use_cuda_graph: bool):
     """(decode programs, merge rows): fixed under CUDA graphs, exact otherwise."""
     if use_cuda_graph:
-        return _programs_per_sm() * _num_sms(plan.device), plan.req_num_slots.numel()
+        return _grid_programs(plan.device), plan.req_num_slots.numel()
     return plan.num_work_host, (plan.batch if plan.num_slots else 0)
+
+
+def _grid_programs(device) -> int:
+    """The work axis of a CUDA-graph decode grid (fixed at capture; programs stride over the work list)."""
+    return _programs_per_sm() * _num_sms(device)
 
 
 def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) -> int:
@@ -621,7 +634,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
     plan = make_decode_plan(entry, q.device, np.array([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
                             window_left, logits_soft_cap, q.dtype, k.dtype, None, sm_scale, None, False,
-                            kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32))
+                            kv_indptr=torch.tensor([0, kv_len], dtype=torch.int32), kv_start=np.zeros(1))
     need = 4 * plan.num_slots * plan.num_qo_heads * (plan.head_dim + 1)
     workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=q.device)
     plan = _to_device(replace(plan, **_partials(entry, workspace, plan.num_slots, plan.num_qo_heads,

@@ -13,7 +13,7 @@ run.
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _device_scales, _finish, _present, _request_kv, kv_scale_args, kv_strides
+from .attention import LOG2E, _attend, _device_scales, _finish, _present, kv_scale_args, kv_strides
 from .common import LAUNCH_OPTIONS, to_dtype
 from .launch import Pack
 from .sizes import next_pow2
@@ -24,24 +24,28 @@ def tile_rows(q_len: int, group: int) -> int:
     return max(16, next_pow2(q_len * group))
 
 
+# int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
+ITEM_INTS = 8
+ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
+
+
 @triton.jit
 def decode_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    work, num_work_ptr, kv_indptr, kv_indices, last_page_len, req_first_slot, req_num_slots, done_count,
+    work, num_work_ptr, kv_indices, done_count,
     qk_scale, sm_scale, soft_cap, window_left, v_scale, k_scale_ptr, v_scale_ptr,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, MERGE_LSE_SLOTS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
     # every SM instead of sharing SMs with the ones that exit at once.
     kvh = tl.program_id(0)
-    num_work = tl.load(num_work_ptr)
     qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
                                                  K_SCALE_PTR, V_SCALE_PTR)
     r = tl.arange(0, GROUP_PAD)
@@ -49,15 +53,31 @@ def decode_kernel(
     tok = r // GROUP  # the row's draft token (0 for decode)
     head = kvh * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    for w in range(tl.program_id(1), num_work, tl.num_programs(1)):
-        req = tl.load(work + 4 * w)
-        lo = tl.load(work + 4 * w + 1)
-        hi = tl.load(work + 4 * w + 2)
-        slot = tl.load(work + 4 * w + 3)  # -1: the request is not split, write the output directly
-        if FUSED_MERGE:  # read now, so their latency hides behind the KV loop
-            num_slots = tl.load(req_num_slots + req)
-            first_slot = tl.load(req_first_slot + req)
-        kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
+    # A program's first work item is read together with the work count, not after it (the buffer holds an item
+    # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
+    # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
+    w0 = tl.program_id(1)
+    first = w0 * ITEM
+    req0 = tl.load(work + first)
+    lo0 = tl.load(work + first + 1)
+    hi0 = tl.load(work + first + 2)
+    slot0 = tl.load(work + first + 3)
+    kv_base0 = tl.load(work + first + 4)
+    kv_len0 = tl.load(work + first + 5)
+    first_slot0 = tl.load(work + first + 6)
+    num_slots0 = tl.load(work + first + 7)
+    num_work = tl.load(num_work_ptr)
+    for w in range(w0, num_work, tl.num_programs(1)):
+        later = w != w0  # a later item (a grid smaller than the work list): read now
+        at = w * ITEM
+        req = tl.load(work + at, mask=later, other=req0)
+        lo = tl.load(work + at + 1, mask=later, other=lo0)
+        hi = tl.load(work + at + 2, mask=later, other=hi0)
+        slot = tl.load(work + at + 3, mask=later, other=slot0)  # -1: the request is not split, write the output
+        kv_base = tl.load(work + at + 4, mask=later, other=kv_base0)  # its first page (or token)
+        kv_len = tl.load(work + at + 5, mask=later, other=kv_len0)
+        first_slot = tl.load(work + at + 6, mask=later, other=first_slot0)
+        num_slots = tl.load(work + at + 7, mask=later, other=num_slots0)
         hi = tl.minimum(hi, kv_len)
         delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
         if HAS_WINDOW:
@@ -92,8 +112,7 @@ def decode_kernel(
                     tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
                     _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
                                    stride_ob, stride_oh, stride_lb, stride_lh,
-                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS,
-                                   MERGE_LSE_SLOTS)
+                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
         else:
             o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
             tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
@@ -108,45 +127,37 @@ def merge_slots(rows: int, head_dim: int) -> int:
     return max(1, min(16, 8192 // (rows * head_dim)))
 
 
-def lse_slots(rows: int, num_warps: int) -> int:
-    """Chunk LSEs a merge reads per load for their max: up to 8 values a thread (at most 128 chunks)."""
-    return max(1, min(128, 8 * 32 * num_warps // rows))
-
-
 @triton.jit
 def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
                    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr, LSE_SLOTS: tl.constexpr):
+                   RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
     """Folds the n partial states from slot `first` of request req, KV head kvh (fixed order and blocking, so
-    bitwise repeatable): the row max of the chunks' LSEs first, then their outputs weighted by exp2(lse - max),
-    SLOTS chunks per load (LSE_SLOTS for the max). ROWS: the (draft token, query head) rows padded to a power of
-    two (no tensor cores here: no 16-row floor). The loads bypass L1 (.cg): another program may have written
-    these slots."""
+    bitwise repeatable), SLOTS chunks per load, each block's outputs weighted by exp2(lse - the running max) and the
+    sum so far rescaled when the max grows (one trip to L2 a block; a max over all chunks first was one more).
+    ROWS: the (draft token, query head) rows padded to a power of two (no tensor cores here: no 16-row floor). The
+    loads bypass L1 (.cg): another program may have written these slots."""
     r = tl.arange(0, ROWS)
     row_ok = r < QLEN * GROUP
     tok = r // GROUP
     head = kvh * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    # the max is exact in any order, so its block is as large as a few registers a thread allow
-    jl = tl.arange(0, LSE_SLOTS)
-    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n, LSE_SLOTS):
-        ok = ((s0 + jl) < n)[:, None] & row_ok[None, :]
-        s_row = (((first + s0 + jl)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
-        m = tl.maximum(m, tl.max(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg"), 0))
     j = tl.arange(0, SLOTS)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     total = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     for s0 in range(0, n, SLOTS):
         ok = ((s0 + j) < n)[:, None] & row_ok[None, :]
         s_row = (((first + s0 + j)[:, None] * QLEN + tok[None, :]) * NUM_QO_HEADS + head[None, :]).to(tl.int64)
-        w = tl.exp2(tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                    - m_safe[None, :])  # an empty chunk weighs 0
+        lse = tl.load(PART_LSE + s_row, mask=ok, other=float("-inf"), cache_modifier=".cg")
         part = tl.load(PART_O + s_row[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None], other=0.0,
                        cache_modifier=".cg")
-        acc = acc + tl.sum(part * w[:, :, None], 0)
-        total = total + tl.sum(w, 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row no chunk saw: every weight 0
+        alpha = tl.exp2(m - m_safe)  # 0 while m is -inf
+        w = tl.exp2(lse - m_safe[None, :])  # an empty chunk weighs 0
+        acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
     out, lse = _finish(acc, total, m, 1.0)
     q_tok = req.to(tl.int64) * QLEN + tok
     o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
@@ -160,7 +171,7 @@ def merge_kernel(
     PART_O, PART_LSE, O, LSE, req_first_slot, req_num_slots,
     stride_ob, stride_oh, stride_lb, stride_lh,
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr, LSE_SLOTS: tl.constexpr,
+    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """One program per (request, KV head): folds a split request's partial states (_merge_request)."""
     req = tl.program_id(0)
@@ -169,7 +180,7 @@ def merge_kernel(
     if n > 0:
         _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
                        stride_ob, stride_oh, stride_lb, stride_lh,
-                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS, LSE_SLOTS)
+                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
@@ -231,9 +242,8 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
     """(the plan's schedule arguments, decode_kernel's keywords, merge_kernel's keywords) for one kind of call."""
     group_pad = tile_rows(plan.q_len, plan.group)
     merge_rows_pad = next_pow2(plan.q_len * plan.group)
-    kv_indices, last_page_len = _present(plan.work, plan.kv_indices, plan.last_page_len)
-    plan_args = (plan.work, plan.num_work, plan.kv_indptr, kv_indices, last_page_len, plan.req_first_slot,
-                 plan.req_num_slots)
+    (kv_indices,) = _present(plan.work, plan.kv_indices)
+    plan_args = (plan.work, plan.num_work, kv_indices)
     kwargs = dict(
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
@@ -244,14 +254,12 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
         MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim) if fused else 1,
-        MERGE_LSE_SLOTS=lse_slots(merge_rows_pad, plan.tiles.num_warps) if fused else 1,
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     merge_kwargs = dict(
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
         RETURN_LSE=return_lse, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
-        LSE_SLOTS=lse_slots(merge_rows_pad, 4),
         num_warps=4, **LAUNCH_OPTIONS,
     )
     return plan_args, kwargs, merge_kwargs, []  # launch.Packs, made at the first call
