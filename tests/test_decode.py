@@ -2,6 +2,7 @@
 import itertools
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +101,31 @@ def test_split_counts_agree(device):
         check_lse(lse, ref_lse)
         again = w.run(b.q, b.cache, return_lse=True)
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_work_items_carry_their_requests_kv(chunk):
+    """Each work item holds what the kernel would otherwise read after it (a dependent trip to memory): its
+    request's first page and KV length, and its first slot and slot count, the same as the request arrays the merge
+    kernel reads; chunks tile each request's KV in order."""
+    from serveattn.decode import build_decode_work
+    from serveattn.kernels.decode import ITEM_INTS
+
+    kv = np.array([200, 0, 64, 65, 9])
+    start = np.array([3, 17, 17, 21, 26])  # pages: any increasing starts
+    work, n, first_slot, num_slots, total = build_decode_work(kv, start, chunk)
+    items = work.reshape(n, ITEM_INTS)
+    assert work.dtype == np.int32 and n == len(items)
+    req, lo, hi, slot, kv_start, kv_len, item_first, item_slots = items.T
+    assert np.array_equal(kv_start, start[req]) and np.array_equal(kv_len, kv[req])
+    assert np.array_equal(item_first, first_slot[req]) and np.array_equal(item_slots, num_slots[req])
+    for r in range(kv.size):
+        mine = items[req == r]
+        assert mine[0, 1] == 0 and mine[-1, 2] == kv[r] and np.array_equal(mine[1:, 1], mine[:-1, 2])
+        split = len(mine) > 1
+        assert num_slots[r] == (len(mine) if split else 0)
+        assert np.array_equal(mine[:, 3], first_slot[r] + np.arange(len(mine)) if split else [-1])
+    assert total == num_slots.sum() == (4 + 2 if chunk else 0)
 
 
 @pytest.mark.parametrize("q_len", [1, 3])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import serveattn
+from serveattn import decode as decode_mod
 from serveattn import reference
 from helpers import check_lse, make_paged_batch, nan_like, rel_err
 
@@ -78,6 +79,8 @@ def test_cuda_graph_replay_with_changing_page_tables(use_tensor_cores):
         return table
 
     table = plan([int(x) for x in torch.randint(1, 3000, (batch,), generator=gen)])
+    if not use_tensor_cores:  # each program of the fixed grid reads a first work item before it knows the count
+        assert w._graph_bufs["work"].numel() >= decode_mod.ITEM_INTS * decode_mod._grid_programs(q.device)
     w.run(q, cache, out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
