@@ -370,7 +370,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             _check_partials_room(entry, self._workspace, plan.num_slots * plan.q_len, *key)
         partials = self._partials_memo[1]
-        names = _PLAN_ARRAYS
+        names = _device_arrays()
         if FUSED_MERGE:  # allocated (zeroed) here, never inside run(): a captured graph must not re-zero it
             cap = self._graph_cap if self._use_cuda_graph else plan.batch
             if self._done_count is None or self._done_count.numel() < cap * plan.num_kv_heads:
@@ -391,18 +391,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
                                  "table; heads, head dim, dtypes, page size, window, soft cap and sm_scale must stay "
                                  "as first planned.")
-        arrays = {n: getattr(plan, n) for n in names}  # the first four: this plan's numpy arrays
-        for name, t in arrays.items():
-            if staging.size(t) > bufs.caps[name]:
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {staging.size(t)} entries in its "
+        for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
+            size = staging.size(getattr(plan, name))
+            if size > bufs.caps[name]:
+                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its "
                                      f"{name} buffer, which holds {bufs.caps[name]}.")
         # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
-        slots = np.zeros(bufs.caps["req_num_slots"], dtype=np.int32)  # requests past the batch: nothing to merge
-        slots[: plan.batch] = plan.req_num_slots
-        arrays["req_num_slots"] = slots
+        arrays = {n: getattr(plan, n) for n in names}
+        if "req_num_slots" in arrays:
+            slots = np.zeros(bufs.caps["req_num_slots"], dtype=np.int32)  # requests past the batch: no merge
+            slots[: plan.batch] = plan.req_num_slots
+            arrays["req_num_slots"] = slots
         staging.to_buffers(arrays, bufs)
         self._graph_bufs, self._graph_signature = bufs, signature
-        for name in names:
+        for name in _PLAN_ARRAYS:  # the buffers the graph captured, whether this plan wrote them or not
             setattr(plan, name, bufs[name])
         self._plan = plan
 
@@ -516,12 +518,20 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
 
 
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
-_OWN_ARRAYS = _PLAN_ARRAYS[:4]  # numpy, built by make_decode_plan, until staged to the device
+# What the kernels read on the device: a work item carries its request's KV start and length and its slots, so
+# kv_indptr and last_page_len stay on the host, and the request arrays are merge_kernel's alone (unfused merges).
+_KERNEL_ARRAYS = ("work", "num_work", "kv_indices")
+_MERGE_ARRAYS = ("req_first_slot", "req_num_slots")
+
+
+def _device_arrays():
+    """The plan arrays a plan copies to the device (fewer arrays, less host time a plan)."""
+    return _KERNEL_ARRAYS if FUSED_MERGE else _KERNEL_ARRAYS + _MERGE_ARRAYS
 
 
 def _to_device(plan: DecodePlan, device) -> DecodePlan:
-    """Copies (never aliases: the caller may reuse its index tensors) the plan's arrays to the device."""
-    return replace(plan, **staging.to_device({n: getattr(plan, n) for n in _PLAN_ARRAYS}, device))
+    """Copies (never aliases: the caller may reuse its index tensors) the plan's device arrays to the device."""
+    return replace(plan, **staging.to_device({n: getattr(plan, n) for n in _device_arrays()}, device))
 
 
 def _grid(plan: DecodePlan, use_cuda_graph: bool):
