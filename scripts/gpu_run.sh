@@ -24,6 +24,7 @@
 #   scripts/gpu_run.sh fi-setup probe-host     # decode plan/run host us, ours and FlashInfer's, same process
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -54,8 +55,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace" >&2; exit 2 ;;
   esac
 done
 
@@ -152,6 +153,12 @@ step_probe_host_prefill() {  # prefill run() host us against its GPU time and th
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)
   PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_call_gap.py ${PROBE_ARGS:-} 2>&1 \
     | grep -v "Warn\|warn" | tee "$OUT/probe-call-gap.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_decode_trace() {  # small-batch decode: SERVEATTN_DECODE_TRACE stamps (PROBE_ARGS: --cases, --calls, --save)
+  timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_decode_trace.py ${PROBE_ARGS:-} 2>&1 | grep -v "Warn\|warn" \
+    | tee "$OUT/probe-decode-trace.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -380,6 +387,7 @@ for s in "${STEPS[@]}"; do
     probe-host-prefill) step_probe_host_prefill ;;
     probe-ws-trace) step_probe_ws_trace ;;
     probe-call-gap) step_probe_call_gap ;;
+    probe-decode-trace) step_probe_decode_trace ;;
     probe-fp8-key-order) step_probe_fp8_key_order ;;
     fi-save-cache) step_fi_save_cache ;;
   esac

@@ -10,6 +10,8 @@ program that finishes a (request, KV head)'s last chunk folds them in chunk orde
 `merge_kernel`, a second launch, when no completion counts are given), so the result is the same bits on every
 run.
 """
+import os
+
 import triton
 import triton.language as tl
 
@@ -22,6 +24,37 @@ from .sizes import next_pow2
 def tile_rows(q_len: int, group: int) -> int:
     """The tile's rows: q_len draft tokens x the KV group's query heads, padded to a power of two >= 16."""
     return max(16, next_pow2(q_len * group))
+
+
+# Measuring only (scripts/probe_decode_trace.py; results are wrong by design, no LSE is written):
+# SERVEATTN_DECODE_TRACE=1 has each program stamp its first work item's timeline into the LSE buffer, read as int64,
+# TRACE_SLOTS a program at row kvh + program_id(1) * KV heads: 0 %globaltimer at its start, 1 %clock64 at its start,
+# 2 once its item and the work count are in, 3 after the KV loop, 4 after its output (or its partial state and the
+# completion count), 5 after the fold (unwritten where it did not fold), 6 %globaltimer at its end, 7 %smid.
+TRACE: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_DECODE_TRACE", "0") == "1")
+TRACE_SLOTS: tl.constexpr = tl.constexpr(8)
+_CLOCK: tl.constexpr = tl.constexpr("mov.u64 $0, %clock64;")
+_GLOBALTIMER: tl.constexpr = tl.constexpr("mov.u64 $0, %globaltimer;")
+
+
+_SMID: tl.constexpr = tl.constexpr("{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }")
+
+
+@triton.jit
+def _stamp(LSE, program, slot: tl.constexpr, dep, ASM: tl.constexpr):
+    """TRACE: stamp `slot` of `program`, read once the int32 scalar `dep` is there."""
+    if TRACE:
+        now = tl.inline_asm_elementwise(ASM, "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(LSE.to(tl.pointer_type(tl.int64)) + program * TRACE_SLOTS + slot, now)
+
+
+@triton.jit
+def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
+    """TRACE: _stamp once the int32 values `dep_rows` (one a tile row) are there; row 0's clock is kept."""
+    if TRACE:
+        now = tl.inline_asm_elementwise(ASM, "=l,r", [dep_rows], dtype=tl.int64, is_pure=False, pack=1)
+        where = LSE.to(tl.pointer_type(tl.int64)) + program * TRACE_SLOTS + slot + tl.zeros_like(now)
+        tl.store(where, now, mask=tl.arange(0, dep_rows.shape[0]) == 0)
 
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
@@ -67,6 +100,10 @@ def decode_kernel(
     first_slot0 = tl.load(work + first + 6)
     num_slots0 = tl.load(work + first + 7)
     num_work = tl.load(num_work_ptr)
+    traced = kvh + w0 * (NUM_QO_HEADS // GROUP)  # TRACE: this program's row of stamps
+    _stamp(LSE, traced, 0, kvh, _GLOBALTIMER)
+    _stamp(LSE, traced, 1, kvh, _CLOCK)
+    _stamp(LSE, traced, 2, req0 + num_work + kv_base0, _CLOCK)
     for w in range(w0, num_work, tl.num_programs(1)):
         later = w != w0  # a later item (a grid smaller than the work list): read now
         at = w * ITEM
@@ -98,6 +135,9 @@ def decode_kernel(
                 KV_SAME_STRIDES, False, False)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
+        if TRACE:
+            if w == w0:
+                _stamp_rows(LSE, traced, 3, l_i.to(tl.int32, bitcast=True), _CLOCK)
         if slot >= 0:  # a slot holds QLEN partial rows per query head
             s_row = (slot.to(tl.int64) * QLEN + tok) * NUM_QO_HEADS + head
             tl.store(PART_O + s_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
@@ -108,16 +148,30 @@ def decode_kernel(
                 # barrier orders every thread's partial stores before the count's release (CUTLASS's semaphore).
                 tl.debug_barrier()
                 count = done_count + req * (NUM_QO_HEADS // GROUP) + kvh
-                if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_slots - 1:
+                done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+                if TRACE:
+                    if w == w0:
+                        _stamp(LSE, traced, 4, done, _CLOCK)
+                if done == num_slots - 1:
                     tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                    _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
-                                   stride_ob, stride_oh, stride_lb, stride_lh,
-                                   NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
+                    folded = _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
+                                            stride_ob, stride_oh, stride_lb, stride_lh,
+                                            NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE and not TRACE,
+                                            QLEN, MERGE_SLOTS)
+                    if TRACE:
+                        if w == w0:
+                            _stamp_rows(LSE, traced, 5, folded.to(tl.int32, bitcast=True), _CLOCK)
         else:
             o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
             tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
-            if RETURN_LSE:
+            if RETURN_LSE and not TRACE:
                 tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+            if TRACE:
+                if w == w0:
+                    _stamp_rows(LSE, traced, 4, lse.to(tl.int32, bitcast=True), _CLOCK)
+    if TRACE:
+        _stamp(LSE, traced, 6, kvh, _GLOBALTIMER)
+        _stamp(LSE, traced, 7, kvh, _SMID)
 
 
 def merge_slots(rows: int, head_dim: int) -> int:
@@ -164,6 +218,7 @@ def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stri
     tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
     if RETURN_LSE:
         tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+    return lse  # the fold's last value (a trace stamps after it)
 
 
 @triton.jit
@@ -180,7 +235,7 @@ def merge_kernel(
     if n > 0:
         _merge_request(PART_O, PART_LSE, O, LSE, tl.load(req_first_slot + req), n, req, kvh,
                        stride_ob, stride_oh, stride_lb, stride_lh,
-                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
+                       NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE and not TRACE, QLEN, SLOTS)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
