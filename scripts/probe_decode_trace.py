@@ -7,8 +7,8 @@ the completion count, and the fold where it folded; then the critical path: the 
 
     PYTHONPATH=$PWD python3 scripts/probe_decode_trace.py [--cases 1x8192,8x4096,32x2048] [--calls 5] [--save DIR]
 
-GQA 32/8, head dim 128, bf16, page 16, shuffled pages (scripts/probe_decode_profile.py's inputs), eager run()
-(the fused fold included). Results are wrong by design in this mode (no LSE); the output is not checked. --save
+GQA 32/8, head dim 128, bf16, page 16, shuffled pages (scripts/probe_host.py's inputs: KV lengths in whole pages),
+eager run() (the fused fold included). Results are wrong by design in this mode (no LSE); the output is not checked. --save
 writes the raw stamps ([calls, programs, 8] int64) as DIR/decode-trace-CASE.npz.
 """
 import argparse
@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import serveattn  # noqa: E402
+from probe_host import _decode_inputs  # noqa: E402  (scripts/, beside this file: the same inputs)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 SLOTS = 8  # kernels/decode.py TRACE_SLOTS
@@ -29,13 +30,7 @@ G_START, C_START, C_ITEM, C_LOOP, C_OUT, C_FOLD, G_END, SMID = range(SLOTS)
 def traced(batch: int, kv: int, calls: int):
     """(stamps int64 [calls, programs, SLOTS], programs a KV head, the plan's chunking)."""
     dev = "cuda"
-    pages = -(-kv // PS)
-    cache = torch.randn(batch * pages, 2, PS, HKV, D, device=dev, dtype=torch.bfloat16)
-    i32 = dict(dtype=torch.int32, device=dev)
-    indptr = torch.arange(batch + 1, **i32) * pages
-    indices = torch.randperm(batch * pages, device=dev).to(torch.int32)
-    last = torch.full((batch,), kv - (pages - 1) * PS, **i32)
-    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    cache, indptr, indices, last, q, out = _decode_inputs(batch, kv, dev)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev),
                                                      backend="triton")
     w.plan(indptr.cpu(), indices.cpu(), last.cpu(), HQ, HKV, D, PS, q_data_type=torch.bfloat16)
@@ -44,7 +39,6 @@ def traced(batch: int, kv: int, calls: int):
     store = torch.zeros(max(batch * HQ, programs * HKV * SLOTS * 2), dtype=torch.float32, device=dev)
     lse = store[: batch * HQ].view(batch, HQ)  # a view: the stamps run past the LSE into the store
     stamps = store.view(torch.int64)[: programs * HKV * SLOTS].view(programs * HKV, SLOTS)
-    out = torch.empty_like(q)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w.run(q, cache, out=out, lse=lse, return_lse=True)  # compile, warm
     runs = []

@@ -35,8 +35,6 @@ TRACE: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_DECODE_TRACE", "0")
 TRACE_SLOTS: tl.constexpr = tl.constexpr(8)
 _CLOCK: tl.constexpr = tl.constexpr("mov.u64 $0, %clock64;")
 _GLOBALTIMER: tl.constexpr = tl.constexpr("mov.u64 $0, %globaltimer;")
-
-
 _SMID: tl.constexpr = tl.constexpr("{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }")
 
 
