@@ -246,7 +246,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         request, -1 for a child of the prefix, at most 64 nodes; request i's rows are its tree's nodes in
         order, which are its last len(tree_parents[i]) KV positions; each sees the prefix, its ancestors and
         itself). Trees run on the tensor-core route; a chain runs on the bandwidth kernel (its split-KV included) when
-        k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False)."""
+        k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False, or auto's
+        choice over the hint)."""
         entry = self._entry + ".plan"
         if unsupported_kwargs:
             policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
@@ -272,7 +273,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_data_type = data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
         # request and trees run on the tensor-core route whatever it says: the bandwidth kernel serves one row);
-        # under auto the measured crossover chooses between the kernels (the first choice holds under graphs).
+        # under auto the measured crossover chooses between the kernels, use_tensor_cores=True included (a hint
+        # taken only where the table has no measurement); the first choice holds under graphs.
         decision = routing.choose_decode(entry, self._backend_request, routing.decode_request(
             self.device, batch=indptr.numel() - 1 if isinstance(indptr, torch.Tensor) else 0,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_data_type=q_data_type,

@@ -462,6 +462,13 @@ def tensor_core_unmeasured(table: str) -> str:
             f"bandwidth kernel holds until python -m serveattn.bench crossover measures it.")
 
 
+@_producer
+def tensor_core_hint_overruled(table: str) -> str:
+    return (f"tensor-core: use_tensor_cores=True is a speed hint under backend='auto', and here the bandwidth "
+            f"kernel (tensor cores over the group's query heads, with split-KV) was measured faster ({table}); "
+            f"backend='triton' takes the flag literally.")
+
+
 # ---------------------------------------------------------------- capability (plain arguments)
 
 def torch_declines(req: Request) -> Optional[str]:
@@ -685,12 +692,18 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
     why_triton = triton_declines(req)
     if why_triton is not None:
         return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
-    if req.use_tensor_cores:
-        return Decision(TRITON, TENSOR_CORE)
     why_bandwidth = bandwidth_declines(req)
     if why_bandwidth is not None:
         return _auto_done(device, Decision(TRITON, TENSOR_CORE, (why_bandwidth,)))
     take_tc, why = decode_tensor_cores(req)
+    if req.use_tensor_cores and not take_tc:
+        # use_tensor_cores=True is FlashInfer's speed hint: where the table measured the bandwidth kernel (tensor
+        # cores too, over the group's query heads, with split-KV) faster, it holds; unmeasured, the hint is taken
+        table = table_for(req.arch)
+        if table is None or (dtype_name(req.kv_dtype), req.head_dim, req.group) not in \
+                table.decode_tc_min_programs_per_sm:
+            return Decision(TRITON, TENSOR_CORE)
+        why = tensor_core_hint_overruled(table.decode_table)
     return _auto_done(device, Decision(TRITON, TENSOR_CORE if take_tc else BANDWIDTH, (why,)))
 
 

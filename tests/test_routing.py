@@ -138,6 +138,8 @@ TRIGGERS = {
     "bandwidth_above_crossover": (lambda mp, fg: _decode_reason(dec(batch=32)), (256 / 132, H200.decode_table)),
     "tensor_core_below_crossover": (lambda mp, fg: _decode_reason(dec(batch=31)), (256 / 132, H200.decode_table)),
     "tensor_core_unmeasured": (lambda mp, fg: _decode_reason(dec(batch=64, head_dim=64)), (H200.decode_table,)),
+    "tensor_core_hint_overruled": (lambda mp, fg: _decode_reason(dec(batch=1, use_tensor_cores=True)),
+                                   (H200.decode_table,)),
 }
 
 
@@ -199,7 +201,12 @@ def test_decode_choices():
                                                      (routing.tensor_core_below_crossover(256 / 132, table),))
     assert choose(dec(batch=32)) == routing.Decision("triton", "tensor-core",
                                                      (routing.bandwidth_above_crossover(256 / 132, table),))
-    assert choose(dec(batch=1, use_tensor_cores=True)) == routing.Decision("triton", "tensor-core")
+    # use_tensor_cores=True is a hint: where the table measured the bandwidth kernel faster, it holds
+    assert choose(dec(batch=1, use_tensor_cores=True)) == routing.Decision(
+        "triton", "bandwidth", (routing.tensor_core_hint_overruled(table),))
+    assert choose(dec(batch=32, use_tensor_cores=True)).kernel == "tensor-core"
+    # unmeasured (head dim 64 is not in the table): the hint is taken
+    assert choose(dec(batch=1, head_dim=64, use_tensor_cores=True)) == routing.Decision("triton", "tensor-core")
     # a chain whose k x group rows fit the bandwidth kernel's tile is its request like any decode
     assert choose(dec(batch=1, q_len_per_req=8)) == routing.Decision(
         "triton", "bandwidth", (routing.tensor_core_below_crossover(256 / 132, table),))
@@ -411,12 +418,16 @@ def test_decode_wrapper_reresolves_and_numbers_agree_whichever_route(fake_gpu):
 
 
 @cpu_only
-def test_decode_use_tensor_cores_true_is_honoured_and_explicit_triton_is_literal(fake_gpu):
+def test_decode_use_tensor_cores_true_is_a_hint_and_explicit_triton_is_literal(fake_gpu):
     fake_gpu(sms=2)
     b = _decode_batch(1)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), use_tensor_cores=True)
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, q_data_type=BF16)
-    assert w._decision == routing.Decision("triton", "tensor-core") and w.backend_fallback_reason is None
+    assert w._decision.kernel == "bandwidth" and "speed hint" in w.backend_fallback_reason
+    t = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), use_tensor_cores=True,
+                                                     backend="triton")
+    t.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, q_data_type=BF16)
+    assert t._decision == routing.Decision("triton", "tensor-core") and t.backend_fallback_reason is None
     b = _decode_batch(4)
     e = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), backend="triton")
     e.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 128, 16, q_data_type=BF16)
