@@ -36,12 +36,12 @@ INT_PTRS = {"req_first_slot": "*i32", "req_num_slots": "*i32", "done_count": "*i
 
 
 def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages, paged, causal, page_size,
-                    v_t=False):
+                    v_t=False, split_kv=False):
     fp8_qkv = q.startswith("fp8")
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size,
                       PAGED=paged, CAUSAL=causal, HAS_MASK=False, HAS_WINDOW=False, SOFT_CAP=False, ROPE=False,
                       RETURN_LSE=True, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
-                      FP8_QKV=fp8_qkv, TREE=False, V_T=v_t)
+                      FP8_QKV=fp8_qkv, TREE=False, V_T=v_t, SPLIT_KV=split_kv)
     return _compile(prefill_kernel, constexprs, q, kv, out, warps, stages)
 
 
@@ -180,6 +180,7 @@ def main():
     ap.add_argument("--q-len", type=int, default=1, help="decode: draft rows per request (chain verify)")
     ap.add_argument("--fused-merge", action="store_true", help="decode: the split-KV merge inside the decode kernel")
     ap.add_argument("--vt", action="store_true", help="fp8 attention reading V from its transposed copy")
+    ap.add_argument("--split-kv", action="store_true", help="prefill: the split-KV variant (6-int work items)")
     ap.add_argument("--dump", help="folder to write ttgir/ptx/llir/sass into")
     a = ap.parse_args()
     bm, bn, w, s = map(int, (a.tiles or ("128,128,8,2" if a.kernel == "prefill" else "16,128,4,3")).split(","))
@@ -187,7 +188,7 @@ def main():
         ck = compile_prefill_ws(a.q, a.group, a.page_size, not a.ragged, True, head_dim=a.head_dim)
     elif a.kernel == "prefill":
         ck = compile_prefill(a.q, a.kv, a.out, a.head_dim, a.group, bm, bn, w, s, not a.ragged, True, a.page_size,
-                             a.vt)
+                             a.vt, a.split_kv)
     else:
         ck = compile_decode(a.q, a.kv, a.out, a.head_dim, a.group, bn, w, s, a.page_size, a.q_len, a.fused_merge)
     sass = summarise(ck)

@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -159,6 +160,12 @@ step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host'
 step_probe_decode_trace() {  # small-batch decode: SERVEATTN_DECODE_TRACE stamps (PROBE_ARGS: --cases, --calls, --save)
   timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_decode_trace.py ${PROBE_ARGS:-} 2>&1 | grep -v "Warn\|warn" \
     | tee "$OUT/probe-decode-trace.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_prefill_split() {  # split-KV on the prefill kernel: SERVEATTN_PREFILL_SPLIT=0/1 in turn (PROBE_ARGS: --cases)
+  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-240}" python3 scripts/probe_prefill_split.py ${PROBE_ARGS:-} \
+    2>&1 | grep -v "Warn\|warn" | tee "$OUT/probe-prefill-split.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -388,6 +395,7 @@ for s in "${STEPS[@]}"; do
     probe-ws-trace) step_probe_ws_trace ;;
     probe-call-gap) step_probe_call_gap ;;
     probe-decode-trace) step_probe_decode_trace ;;
+    probe-prefill-split) step_probe_prefill_split ;;
     probe-fp8-key-order) step_probe_fp8_key_order ;;
     fi-save-cache) step_fi_save_cache ;;
   esac

@@ -125,6 +125,12 @@ class Plan:
     # the paged cache copied into ragged rows for the warp-specialized kernel (kernels/attention.Gathered: page ->
     # request, token indptr, the ragged view of this plan, whether it pays), made at the first run that asks
     gathered: Optional[tuple] = None
+    # split-KV (build_split_work): the (output row, first partial row, chunks) of each split request's tokens, their
+    # count, the partial rows; split = (partial outputs, partial LSEs, merge_rows, num_merge) set by _commit
+    merge_rows: Optional[torch.Tensor] = None
+    num_merge: int = 0
+    split_rows: int = 0
+    split: Optional[tuple] = None
     # launch arguments made once per plan and kind of call (kernels: launch.Pack); not carried over by replace()
     launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -162,6 +168,65 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     return torch.from_numpy(work.reshape(-1)), n
 
 
+SPLIT_PROGRAMS_PER_SM = 2  # split while (work items x KV heads) is under this many programs per SM
+SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
+
+
+def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int,
+                num_items: int) -> Optional[int]:
+    """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
+    is long enough to cut, else None. SERVEATTN_PREFILL_SPLIT=0 turns splitting off; SERVEATTN_PREFILL_SPLIT_CHUNK=N
+    forces chunks of N tokens (tests, measuring)."""
+    if knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0" or num_items == 0:
+        return None
+    max_kv = int(np.maximum.reduce(kv_lens))
+    forced = knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
+    if forced:
+        chunk = int(forced)
+    else:
+        programs = num_items * num_kv_heads
+        target = SPLIT_PROGRAMS_PER_SM * num_sms
+        if programs >= target:
+            return None
+        splits = 1 << (-(-target // programs) - 1).bit_length()  # a power of two: even chunks of even lengths
+        chunk = max(SPLIT_MIN_CHUNK, -(-max_kv // splits))
+    chunk = -(-chunk // tiles.block_n) * tiles.block_n
+    return chunk if chunk < max_kv else None
+
+
+def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
+    """Work items int32 [6 n] (request, query tile, first key, end key, first partial row, partial row stride) for
+    requests longer than chunk cut into chunks of chunk keys, each request's chunks together and each chunk's
+    tiles together (costliest first, as build_work) so the programs running at once share K/V in L2; an unsplit
+    request's items have first partial row -1 and write the output. Token t of a split request of n chunks keeps
+    chunk c's state in partial row base + t n + c; merge rows int32 [3 m]: (output row, base + t n, n) per such
+    token. Returns (work, items, merge_rows, merge count, partial rows)."""
+    qo, kv = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    tiles = _tiles(qo, group, block_m)
+    chunks = np.where(kv > chunk, -(-kv // chunk), 1)
+    split = chunks > 1
+    rows = np.where(split, qo * chunks, 0)
+    base = np.cumsum(rows) - rows
+    by_cost = np.argsort(-kv, kind="stable")
+    counts = (tiles * chunks)[by_cost]
+    req = np.repeat(by_cost, counts)
+    index = np.arange(req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    c = index // tiles[req]
+    work = np.empty((req.size, 6), dtype=np.int64)
+    work[:, 0] = req
+    work[:, 1] = tiles[req] - 1 - index % tiles[req]
+    work[:, 2] = c * chunk
+    work[:, 3] = np.where(split[req], (c + 1) * chunk, kv[req])
+    work[:, 4] = np.where(split[req], base[req] + c, -1)
+    work[:, 5] = np.where(split[req], chunks[req], 0)
+    q_start = np.cumsum(qo) - qo
+    tok_req = np.repeat(np.flatnonzero(split), qo[split])
+    t = np.arange(tok_req.size) - np.repeat(np.cumsum(qo[split]) - qo[split], qo[split])
+    merge = np.stack([q_start[tok_req] + t, base[tok_req] + t * chunks[tok_req], chunks[tok_req]], 1)
+    return (work.reshape(-1).astype(np.int32), int(req.size), merge.reshape(-1).astype(np.int32), int(tok_req.size),
+            int(rows.sum()))
+
+
 def _tiles(qo_len, group: int, block_m: int):
     """Query tiles of block_m rows for qo_len rows per head (a number or an array of them)."""
     return (qo_len * group + block_m - 1) // block_m
@@ -172,14 +237,15 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
               graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None,
-              held: Optional[routing.Decision] = None) -> Plan:
+              held: Optional[routing.Decision] = None, workspace_bytes: int = 0) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
     request, valid by construction).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
-    held: under use_cuda_graph=True, the route of the first plan (routing: it holds)."""
+    held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
+    workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -272,6 +338,13 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        # split-KV on our kernel outside CUDA graphs for 16-bit queries (fp8 attention's V^T is per request)
+        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n) \
+            if chosen == "triton" and not graph_tiles and not fp8 and workspace_bytes else None
+        if chunk is not None:
+            split = build_split_work(qo_lens, kv_lens, group, tiles.block_m, chunk)
+            if 4 * split[4] * num_qo_heads * (head_dim + 1) <= workspace_bytes:
+                work, n, plan.merge_rows, plan.num_merge, plan.split_rows = split
         plan.work, plan.num_work_host = work, n
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
@@ -280,6 +353,22 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(*mask_lens), bitorder="little")
         plan.tree_mask = tree_mask
     return plan
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return policy.cuda_properties(device)[1]
+    return 2  # the interpreter: a small target still exercises splitting
+
+
+def _split_states(workspace: torch.Tensor, plan: Plan) -> tuple:
+    """(partial outputs fp32 [rows, Hq, D], partial LSEs [rows, Hq], merge_rows, num_merge), the states carved from
+    the front of the caller's workspace (make_plan checked they fit)."""
+    flat = workspace.reshape(-1).view(torch.uint8)
+    width = plan.split_rows * plan.num_qo_heads
+    floats = flat[: 4 * width * (plan.head_dim + 1)].view(torch.float32)
+    return (floats[: width * plan.head_dim].view(plan.split_rows, plan.num_qo_heads, plan.head_dim),
+            floats[width * plan.head_dim:].view(plan.split_rows, plan.num_qo_heads), plan.merge_rows, plan.num_merge)
 
 
 def _mask_indptr(qo_lens, kv_lens):
@@ -403,7 +492,7 @@ def _plain_ragged_run(plan, q, k, v, out, kv_layout) -> bool:
 
 
 _ARRAYS = ("num_work", "work", "qo_indptr", "kv_indptr", "kv_indices", "last_page_len", "mask", "mask_indptr",
-           "tree_mask", "vt_work", "kv_tok_indptr")
+           "tree_mask", "vt_work", "kv_tok_indptr", "merge_rows")
 
 
 def transposed_v(plan: Plan, use_cuda_graph: bool) -> Plan:
@@ -465,6 +554,12 @@ class _PrefillWrapper:
     def device(self) -> torch.device:
         return self._workspace.device
 
+    def _split_bytes(self) -> int:
+        """What split-KV's partial states may take of the workspace: all of it, outside CUDA graphs (there the
+        work list lives in it), where it is contiguous."""
+        ws = self._workspace
+        return 0 if self._use_cuda_graph or not ws.is_contiguous() else ws.numel() * ws.element_size()
+
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
         if plan.backend != "torch":
@@ -477,6 +572,8 @@ class _PrefillWrapper:
                 for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
                                                   self._kept).items():
                     setattr(plan, name, t)
+                if plan.merge_rows is not None:
+                    plan.split = _split_states(self._workspace, plan)
         self._plan = plan
         self.backend = plan.backend
         self.backend_fallback_reason = plan.decision.reason if plan.decision is not None else None
@@ -662,7 +759,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held)
+            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held,
+            workspace_bytes=self._split_bytes())
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
@@ -716,7 +814,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, held=self._held)
+            graph_max_qo=self._graph_max_qo, held=self._held, workspace_bytes=self._split_bytes())
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,

@@ -233,20 +233,23 @@ def prefill_kernel(
     mask_ptr, mask_indptr, tree_mask,
     qk_scale, sm_scale, soft_cap, window_left, log2_theta, rcp_scale, v_scale, k_scale_ptr, v_scale_ptr,
     q_descale, k_descale, v_descale, q_descale_stride, kv_descale_stride,
-    VT, kv_tok_indptr, vt_stride_h, vt_stride_d,
+    VT, kv_tok_indptr, vt_stride_h, vt_stride_d, PART_O, PART_LSE,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
     KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, FP8_QKV: tl.constexpr,
-    TREE: tl.constexpr, V_T: tl.constexpr,
+    TREE: tl.constexpr, V_T: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
     qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
                                                  K_SCALE_PTR, V_SCALE_PTR)
+    # split-KV: an item is (request, tile, first key, end key, first partial row, partial row stride), see
+    # prefill.build_split_work; a request cut into chunks writes fp32 partial states that split_merge_kernel folds
+    ITEM: tl.constexpr = 6 if SPLIT_KV else 2
     for w in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        req = tl.load(work + 2 * w)
-        tile = tl.load(work + 2 * w + 1)
+        req = tl.load(work + ITEM * w)
+        tile = tl.load(work + ITEM * w + 1)
         q_start = tl.load(qo_indptr + req)
         qo_len = tl.load(qo_indptr + req + 1) - q_start
         kv_base, kv_len = _request_kv(kv_indptr, last_page_len, req, PAGE_SIZE, PAGED)
@@ -301,9 +304,19 @@ def prefill_kernel(
         if TREE:  # only the prefix is seen by every row
             full_hi = tl.minimum(full_hi, delta)
         lo = 0
+        part_row0 = -1
+        part_stride = 0
+        if SPLIT_KV:  # this item's chunk of keys [kv_lo, kv_hi), both multiples of BLOCK_N (or kv_hi past kv_len)
+            kv_lo = tl.load(work + ITEM * w + 2)
+            kv_hi = tl.load(work + ITEM * w + 3)
+            part_row0 = tl.load(work + ITEM * w + 4)
+            part_stride = tl.load(work + ITEM * w + 5)
+            hi = tl.minimum(hi, kv_hi)
+            full_hi = tl.minimum(full_hi, kv_hi)
+            lo = kv_lo
         full_lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(delta + tok_min - window_left, 0)
+            lo = tl.maximum(lo, delta + tok_min - window_left)
             full_lo = tl.maximum(delta + tok_max - window_left, 0)
         lo = lo // BLOCK_N * BLOCK_N
         hi_pad = tl.cdiv(hi, BLOCK_N) * BLOCK_N
@@ -336,12 +349,51 @@ def prefill_kernel(
         if ROWSUM_MMA and FP8_QKV:  # in P's units, as the warp-specialized kernel's
             l_i = tl.max(l_i, 1) * (1.0 / P_SCALE)
         out, lse = _finish(acc, l_i, m_i, out_scale)
-        o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
         dv = tl.arange(0, HEAD_DIM)
-        tl.store(O + o_row[:, None] + dv[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
-        if RETURN_LSE:
-            l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
-            tl.store(LSE + l_row, lse, mask=row_ok)
+        if part_row0 >= 0:  # a chunk of a split request: its state, in fp32, for split_merge_kernel
+            p_row = (part_row0 + tok * part_stride).to(tl.int64) * (tl.num_programs(1) * GROUP) + head
+            tl.store(PART_O + p_row[:, None] * HEAD_DIM + dv[None, :], out, mask=row_ok[:, None])
+            tl.store(PART_LSE + p_row, lse, mask=row_ok)
+        else:
+            o_row = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+            tl.store(O + o_row[:, None] + dv[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+            if RETURN_LSE:
+                l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+                tl.store(LSE + l_row, lse, mask=row_ok)
+
+
+@triton.jit
+def split_merge_kernel(PART_O, PART_LSE, O, LSE, merge_rows, stride_ot, stride_oh, stride_lt, stride_lh,
+                       NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                       RETURN_LSE: tl.constexpr):
+    """One query token of a split request, BLOCK_H of its heads: folds the token's n chunk states (partial rows
+    first, first + 1, ..., written by prefill_kernel under SPLIT_KV) in chunk order, so bitwise repeatable, with a
+    running max (each state's weight exp2(lse - max) <= 1); merge_rows holds (output row, first, n) per token."""
+    row = tl.load(merge_rows + 3 * tl.program_id(0))
+    first = tl.load(merge_rows + 3 * tl.program_id(0) + 1)
+    n = tl.load(merge_rows + 3 * tl.program_id(0) + 2)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = head < NUM_QO_HEADS
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for c in range(0, n):
+        p_row = (first + c).to(tl.int64) * NUM_QO_HEADS + head
+        lse = tl.load(PART_LSE + p_row, mask=head_ok, other=float("-inf"))
+        part = tl.load(PART_O + p_row[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk with a visible key yet: weights 0
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, part * w[:, None], 0.0)
+        total = total * alpha + w
+        m = m_new
+    out, lse = _finish(acc, total, m, 1.0)
+    o_row = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=head_ok[:, None])
+    if RETURN_LSE:
+        tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 
 @triton.jit
@@ -474,6 +526,38 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
     return launched
 
 
+def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args):
+    """prefill_kernel over the plan's split work list (prefill.build_split_work), then split_merge_kernel over the
+    split requests' tokens. Plain launches each call: two kernels, and the plans that split are the small ones."""
+    ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
+    fp8 = descales is not None
+    dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
+    sk, sv = (kv_strides(k, kv_layout, plan.paged), kv_strides(v, kv_layout, plan.paged)) \
+        if kv_stride_args is None else (kv_stride_args, kv_stride_args)
+    lse_arg = lse if lse is not None else out
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    part_o, part_lse, merge_rows, num_merge = plan.split
+    cfg = plan.tiles
+    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
+               q, k, v, out, lse_arg, q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
+               plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
+               *_present(plan.work, plan.kv_indices, plan.last_page_len, plan.mask, plan.mask_indptr, plan.tree_mask),
+               plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, plan.log2_theta,
+               plan.rcp_scale, vs, ks_ptr, vs_ptr, dq, dk, dv, int(fp8 and dq.numel() > 1),
+               int(fp8 and dk.numel() > 1), plan.work, plan.work, 0, 0, part_o, part_lse,
+               GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+               PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
+               HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
+               RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+               FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=False, SPLIT_KV=True, num_warps=cfg.num_warps,
+               num_stages=cfg.num_stages, **LAUNCH_OPTIONS)
+    block_h = max(1, min(triton.next_power_of_2(plan.num_qo_heads), 2048 // plan.head_dim))
+    launch_jit(split_merge_kernel, (num_merge, triton.cdiv(plan.num_qo_heads, block_h)),
+               part_o, part_lse, out, lse_arg, merge_rows, out.stride(0), out.stride(1), slt, slh,
+               NUM_QO_HEADS=plan.num_qo_heads, HEAD_DIM=plan.head_dim, BLOCK_H=block_h, RETURN_LSE=lse is not None,
+               **LAUNCH_OPTIONS)
+
+
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
            gather_ok: bool = False, kv_stride_args=None):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
@@ -483,6 +567,9 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
     device tensors of one element or one per head, for an fp8 query over an fp8 cache. gather_ok: an fp8 cache
     may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs).
     kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
+    if plan.split is not None:  # a few long requests cut into KV chunks: no replay, no warp-specialized kernel
+        _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args)
+        return
     plain = k_scale is None and v_scale is None and descales is None and plan.vt_work is None
     # fp8 attention over V^T (k_scale/v_scale are refused beside descales): its transpose and attention launches
     fp8_vt = descales is not None and plan.vt_work is not None
@@ -536,15 +623,15 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         qk_scale, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
         plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
         dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
-        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens)
+        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens,
+        plan.work, plan.work)
     kwargs = dict(
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **LAUNCH_OPTIONS,
+        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, SPLIT_KV=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     grid = (grid0, plan.num_kv_heads)
     if not (plain and replay.KEY not in plan.launch_memo and replay.aligned(q, out, lse)

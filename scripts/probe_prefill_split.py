@@ -1,0 +1,102 @@
+"""Split-KV on the prefill kernel (GPU): the same plans with SERVEATTN_PREFILL_SPLIT=0 and =1 in one process,
+timed in turn (do_bench median, the L2 flushed), beside FlashInfer's tensor-core decode where it imports.
+
+    PYTHONPATH=$PWD python3 scripts/probe_prefill_split.py [--cases tc-1x8192,chunk-1x256x16384] [--rounds 3]
+
+Cases: tc-BxKV (the decode wrapper, use_tensor_cores=True, backend="triton": the prefill kernel, one row per
+request), tree-BxKV (5-node trees on that route), chunk-BxQxKV (the paged prefill wrapper, causal, Q new
+tokens per request over KV keys: chunked prefill). GQA 32/8, head dim 128, bf16, page 16, shuffled pages.
+"""
+import argparse
+import os
+
+import torch
+
+import serveattn
+from serveattn.bench import common
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+DEFAULT = "tc-1x8192,tc-8x4096,tc-32x2048,tree-1x8192,tree-8x4096,chunk-1x256x16384,chunk-1x512x32768,chunk-4x128x8192"
+
+
+def _table(batch, kv):
+    pages = -(-kv // PS)
+    perm = torch.randperm(batch * pages + 7, device="cuda").to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
+    last = torch.full((batch,), kv - (pages - 1) * PS, dtype=torch.int32, device="cuda")
+    cache = torch.randn(batch * pages + 7, 2, PS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    return indptr, perm[: batch * pages], last, cache
+
+
+def _ours(case, ws):
+    """() -> None running the case once, after its plan (the plan is redone per setting: the switch is read there)."""
+    kind, shape = case.split("-", 1)
+    dims = list(map(int, shape.split("x")))
+    batch, kv = dims[0], dims[-1]
+    indptr, indices, last, cache = _table(batch, kv)
+    if kind == "chunk":
+        rows = dims[1]
+        qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
+        q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(qo, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=torch.bfloat16)
+        plan = w._plan
+    else:
+        kw = dict(tree_parents=[[-1, 0, 0, 1, 1]] * batch) if kind == "tree" else {}
+        rows = 5 if kind == "tree" else 1
+        q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, **kw)
+        plan = w._prefill._plan
+    out = torch.empty_like(q)
+    split = "no split" if plan.split is None else \
+        f"{plan.num_work_host} items, {plan.split_rows} partial rows, {plan.num_merge} merged tokens"
+    return (lambda: w.run(q, cache, out=out)), split, (indptr, indices, last, cache, q, kind, batch, kv)
+
+
+def _flashinfer(data):
+    """FlashInfer's tensor-core decode on the same table (tc cases), or None."""
+    indptr, indices, last, cache, q, kind, batch, kv = data
+    if kind != "tc":
+        return None
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16)
+    return lambda: w.run(q, cache)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=DEFAULT)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    print(f"{torch.cuda.get_device_name(0)}; ms, do_bench median with the L2 flushed; settings in turn, "
+          f"{args.rounds} rounds")
+    for case in args.cases.split(","):
+        runs = {}
+        for setting in ("0", "1"):
+            os.environ["SERVEATTN_PREFILL_SPLIT"] = setting
+            runs[setting] = _ours(case, ws)
+        os.environ.pop("SERVEATTN_PREFILL_SPLIT", None)
+        fi = _flashinfer(runs["1"][2])
+        times = {"0": [], "1": [], "fi": []}
+        for _ in range(args.rounds):
+            for setting in ("0", "1"):
+                times[setting].append(common.bench_ms(runs[setting][0], warmup_ms=10, rep_ms=50))
+            if fi is not None:
+                times["fi"].append(common.bench_ms(fi, warmup_ms=10, rep_ms=50))
+        best = {k: min(v) for k, v in times.items() if v}
+        line = (f"{case}: unsplit {best['0']:.4f}  split {best['1']:.4f}  ({best['0'] / best['1']:.2f}x; "
+                f"{runs['1'][1]})")
+        if "fi" in best:
+            line += f"  flashinfer tc {best['fi']:.4f} (ours split / fi {best['1'] / best['fi']:.2f})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Split-KV on the prefill kernel: a plan whose programs would not fill the GPU cuts its long requests into KV
+chunks whose partial states split_merge_kernel folds (prefill.split_chunk, build_split_work)."""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import serveattn
+from serveattn import prefill, reference
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
+from test_prefill import _mask_indptr, _options, _plan_kwargs
+
+VARIANTS = ["plain", "causal", "custom_mask", "packed_mask", "window", "soft_cap", "rope"]
+
+
+def _split_batch(gen, device, dtype, head_dim, heads, variant, layout="NHD", page_size=16):
+    hq, hkv = heads
+    causal = variant in ("causal", "window", "rope")
+    qo_lens, kv_lens = [1, 0, 3, 5, 2], [300, 40, 211, 5, 0 if not causal else 2]
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout, device=device)
+    opts = _options(variant, gen, qo_lens, kv_lens)
+    opts["_seg"] = _mask_indptr(qo_lens, kv_lens)
+    return b, opts
+
+
+def _run(b, opts, variant, heads, head_dim, dtype, device, ws_bytes=1 << 22, layout="NHD"):
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=device)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout=layout, backend="triton")
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, *heads, head_dim, b.page_size,
+           q_data_type=dtype, **_plan_kwargs(opts, variant))
+    out = nan_like(b.q.shape, dtype, device)
+    lse = nan_like(b.q.shape[:2], torch.float32, device)
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    return w, out, lse
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype,head_dim,heads", [(torch.bfloat16, 64, (8, 2)), (torch.float16, 128, (4, 4))])
+def test_split_against_reference_and_unsplit(variant, dtype, head_dim, heads, device, monkeypatch):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{variant}{dtype}{head_dim}".encode()))
+    b, opts = _split_batch(gen, device, dtype, head_dim, heads, variant)
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             **{k: v for k, v in opts.items() if k != "_seg"})
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT_CHUNK", "64")
+    w, out, lse = _run(b, opts, variant, heads, head_dim, dtype, device)
+    plan = w._plan
+    assert plan.split is not None and plan.num_merge == 1 + 3  # requests 0 and 2 split (300, 211 > 64 keys)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output element was not written"
+    assert rel_err(out, ref_out) < tolerance(dtype)
+    check_lse(lse, ref_lse)
+    out2, lse2 = w.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "split-KV is not bitwise repeatable"
+    # the same plan unsplit: equal within the merge's rounding
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+    w0, out0, lse0 = _run(b, opts, variant, heads, head_dim, dtype, device)
+    assert w0._plan.split is None
+    assert rel_err(out, out0) < tolerance(dtype)
+    check_lse(lse, lse0)
+
+
+def test_ragged_split_and_lse_off(device, monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "causal")
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, "NHD")
+    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       causal=True)
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT_CHUNK", "128")
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                       backend="triton")
+    w.plan(b.qo_indptr, kv_indptr.to(torch.int32).to(device), 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
+    assert w._plan.split is not None
+    out = nan_like(b.q.shape, torch.bfloat16, device)
+    w.run(b.q, k.to(device), v.to(device), out=out)
+    assert not torch.isnan(out).any() and rel_err(out, ref_out) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_split_equals_its_dequantized_run(enc, device, monkeypatch):
+    """API.md: an fp8 cache gives bitwise the same call on cache.to(q.dtype); both split the same way."""
+    gen = torch.Generator().manual_seed(5)
+    b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "causal")
+    cache8 = (b.cache.float() * 0.5).to(enc)
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT_CHUNK", "64")
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    outs = []
+    for cache, kv_dtype in ((cache8, enc), (cache8.to(torch.bfloat16), torch.bfloat16)):
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+        assert w._plan.split is not None
+        outs.append(w.run(b.q, cache, return_lse=True, k_scale=0.7, v_scale=1.3))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("mode", ["decode", "chain", "tree"])
+def test_decode_tensor_core_route_splits(mode, device, monkeypatch):
+    """The decode wrapper's tensor-core route (the prefill kernel) at small batch: split by the plan's own rule."""
+    gen = torch.Generator().manual_seed(zlib.crc32(mode.encode()))
+    k = {"decode": 1, "chain": 3, "tree": 3}[mode]
+    kv_lens = [700, 0 if mode == "decode" else 4, 333]  # a chain or tree needs its k rows' keys
+    monkeypatch.setattr(prefill, "SPLIT_PROGRAMS_PER_SM", 8)  # the interpreter's 2 "SMs": 16 programs wanted
+    b = make_paged_batch(gen, qo_lens=[k] * 3, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    kw = dict(q_len_per_req=k) if mode == "chain" else dict(tree_parents=[[-1, 0, 0]] * 3) if mode == "tree" else {}
+    # decode and chains pass every request's k rows (an empty request's too); pad q to that
+    rows = torch.randn(3 * k, 8, 64, generator=gen).to(torch.bfloat16).to(device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+    plan = w._prefill._plan
+    assert plan.split is not None, "3 requests x 2 KV heads under 8 x 2 programs: the rule splits"
+    out, lse = w.run(rows, b.cache, return_lse=True)
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+    w0 = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+    w0.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+    assert w0._prefill._plan.split is None
+    out0, lse0 = w0.run(rows, b.cache, return_lse=True)
+    assert rel_err(out, out0) < tolerance(torch.bfloat16)
+    check_lse(lse, lse0)
+    if mode != "tree":
+        qo = torch.arange(0, 3 * k + 1, k, dtype=torch.int32)
+        ref_out, ref_lse = reference.batch_paged(rows, b.cache, qo, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                                 causal=k > 1)
+        assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+        check_lse(lse, ref_lse)
+
+
+def test_split_rule_and_work_list():
+    tiles = prefill.TileConfig(16, 64, 4, 2)
+    kv = np.array([8192]); qo = np.array([1])
+    # 1 item x 8 KV heads on 132 SMs: 264 programs wanted -> 64 splits of 128 -> min chunk 256
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1) == 256
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 33) is None  # 264 programs: full
+    assert prefill.split_chunk(qo, np.array([256]), 4, tiles, 8, 132, 1) is None  # one chunk: nothing to cut
+    assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 1600  # 64 splits, block-rounded
+    qo_lens, kv_lens = np.array([3, 0, 40, 1]), np.array([500, 77, 130, 64])
+    work, n, merge, m, rows = prefill.build_split_work(qo_lens, kv_lens, 4, 16, 128)
+    work, merge = work.reshape(-1, 6), merge.reshape(-1, 3)
+    assert n == len(work) and m == len(merge) == 3 + 40 and rows == 3 * 4 + 40 * 2
+    q_start = np.concatenate([[0], np.cumsum(qo_lens)])
+    seen = {}
+    for req, tile, lo, hi, row0, stride in work:
+        tiles_r = -(-qo_lens[req] * 4 // 16)
+        assert 0 <= tile < tiles_r
+        seen.setdefault((req, tile), []).append((lo, hi, row0, stride))
+    for (req, tile), chunks in seen.items():
+        los = sorted(c[0] for c in chunks)
+        if kv_lens[req] > 128:  # chunks of 128 cover the keys once, in order; the partial rows are base + c
+            assert los == list(range(0, kv_lens[req], 128)) and all(c[1] == c[0] + 128 for c in chunks)
+            assert all(c[3] == len(chunks) for c in chunks)
+        else:
+            assert chunks == [(0, kv_lens[req], -1, 0)]
+    # each split token's merge row: its output row and its n consecutive partial rows, every partial row once
+    used = []
+    for out_row, first, count in merge:
+        req = np.searchsorted(q_start, out_row, side="right") - 1
+        assert count == -(-kv_lens[req] // 128) > 1
+        used += list(range(first, first + count))
+    assert sorted(used) == list(range(rows))
+
+
+def test_small_workspace_does_not_split(device, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "plain")
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT_CHUNK", "64")
+    w, out, lse = _run(b, opts, "plain", (8, 2), 64, torch.bfloat16, device, ws_bytes=1 << 10)
+    assert w._plan.split is None and not torch.isnan(out).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["decode-1-1-8192", "chain4-2-4-4096", "chunk-1-256-16384", "tree-1-5-8192"])
+def test_split_real_sizes(case, monkeypatch):
+    """GQA 32/8, head dim 128, bf16, page 16 (case: kind-batch-rows-kv): plans the rule splits on the H200, against
+    the reference and against the same plan unsplit; bitwise repeatable."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    kind, batch, q_len, kv = case.split("-")
+    batch, q_len, kv = int(batch), int(q_len), int(kv)
+    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=[kv] * batch,
+                         num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16,
+                         device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def run():
+        if kind == "chunk":
+            w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, causal=True,
+                   q_data_type=torch.bfloat16)
+            plan = w._plan
+        else:
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+            kw = {"chain4": dict(q_len_per_req=4), "tree": dict(tree_parents=[[-1, 0, 0, 1, 1]] * batch)}.get(kind, {})
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16, **kw)
+            plan = w._prefill._plan
+        out = nan_like(b.q.shape, torch.bfloat16, "cuda")
+        lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        return plan, out, lse
+
+    plan, out, lse = run()
+    assert plan.split is not None
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    _, out2, lse2 = run()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    if kind != "tree":
+        ref_out, ref_lse = reference.batch_paged(b.q.cpu(), b.cache.cpu(), b.qo_indptr.cpu(), b.kv_indptr.cpu(),
+                                                 b.kv_indices.cpu(), b.last_page_len.cpu(), causal=q_len > 1)
+        assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+        check_lse(lse, ref_lse)
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+    plan0, out0, lse0 = run()
+    assert plan0.split is None
+    assert rel_err(out, out0) < tolerance(torch.bfloat16)
+    check_lse(lse, lse0)
