@@ -194,16 +194,24 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     return chunk if chunk < max_kv else None
 
 
-def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
+def split_rows(qo_lens, kv_lens, chunk: int) -> int:
+    """The partial rows build_split_work's plan keeps: each split request's tokens times its chunks."""
+    qo, kv = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    return int(np.dot(qo, np.where(kv > chunk, -(-kv // chunk), 0)))
+
+
+def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: Optional[int]):
     """Work items int32 [6 n] (request, query tile, first key, end key, first partial row, partial row stride) for
     requests longer than chunk cut into chunks of chunk keys, each request's chunks together and each chunk's
     tiles together (costliest first, as build_work) so the programs running at once share K/V in L2; an unsplit
     request's items have first partial row -1 and write the output. Token t of a split request of n chunks keeps
-    chunk c's state in partial row base + t n + c; merge rows int32 [3 m]: (output row, base + t n, n) per such
-    token. Returns (work, items, merge_rows, merge count, partial rows)."""
+    chunk c's state in partial row base + t n + c; merge rows int32 [1 + 3 m]: m, then (output row, base + t n, n)
+    per such token. chunk None: no request is cut (CUDA graphs' split items for an unsplit plan). Returns (work,
+    items, merge_rows, merge count, partial rows)."""
     qo, kv = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
     tiles = _tiles(qo, group, block_m)
-    chunks = np.where(kv > chunk, -(-kv // chunk), 1)
+    size = chunk if chunk is not None else 0
+    chunks = np.where(kv > size, -(-kv // max(size, 1)), 1) if size else np.ones_like(kv)
     split = chunks > 1
     rows = np.where(split, qo * chunks, 0)
     base = np.cumsum(rows) - rows
@@ -215,16 +223,17 @@ def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
     work = np.empty((req.size, 6), dtype=np.int64)
     work[:, 0] = req
     work[:, 1] = tiles[req] - 1 - index % tiles[req]
-    work[:, 2] = c * chunk
-    work[:, 3] = np.where(split[req], (c + 1) * chunk, kv[req])
+    work[:, 2] = c * size
+    work[:, 3] = np.where(split[req], (c + 1) * size, kv[req])
     work[:, 4] = np.where(split[req], base[req] + c, -1)
     work[:, 5] = np.where(split[req], chunks[req], 0)
     q_start = np.cumsum(qo) - qo
     tok_req = np.repeat(np.flatnonzero(split), qo[split])
     t = np.arange(tok_req.size) - np.repeat(np.cumsum(qo[split]) - qo[split], qo[split])
-    merge = np.stack([q_start[tok_req] + t, base[tok_req] + t * chunks[tok_req], chunks[tok_req]], 1)
-    return (work.reshape(-1).astype(np.int32), int(req.size), merge.reshape(-1).astype(np.int32), int(tok_req.size),
-            int(rows.sum()))
+    merge = np.empty(1 + 3 * tok_req.size, dtype=np.int32)
+    merge[0] = tok_req.size
+    merge[1:] = np.stack([q_start[tok_req] + t, base[tok_req] + t * chunks[tok_req], chunks[tok_req]], 1).reshape(-1)
+    return work.reshape(-1).astype(np.int32), int(req.size), merge, int(tok_req.size), int(rows.sum())
 
 
 def _tiles(qo_len, group: int, block_m: int):
@@ -338,13 +347,17 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
-        # split-KV on our kernel outside CUDA graphs for 16-bit queries (fp8 attention's V^T is per request)
-        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n) \
-            if chosen == "triton" and not graph_tiles and not fp8 and workspace_bytes else None
-        if chunk is not None:
-            split = build_split_work(qo_lens, kv_lens, group, tiles.block_m, chunk)
-            if 4 * split[4] * num_qo_heads * (head_dim + 1) <= workspace_bytes:
-                work, n, plan.merge_rows, plan.num_merge, plan.split_rows = split
+        # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
+        # fit workspace_bytes. Under CUDA graphs only for decode's tensor-core route (graph_max_qo set): its every
+        # plan keeps split items (split or not: the captured kernel is the split one)
+        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_max_qo is not None)
+        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n) if items else None
+        if chunk is not None and 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) > \
+                workspace_bytes:
+            chunk = None  # the partial states would not fit: unsplit
+        if chunk is not None or (items and graph_tiles):
+            work, n, plan.merge_rows, plan.num_merge, plan.split_rows = build_split_work(
+                qo_lens, kv_lens, group, tiles.block_m, chunk)
         plan.work, plan.num_work_host = work, n
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
@@ -361,14 +374,22 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-def _split_states(workspace: torch.Tensor, plan: Plan) -> tuple:
-    """(partial outputs fp32 [rows, Hq, D], partial LSEs [rows, Hq], merge_rows, num_merge), the states carved from
-    the front of the caller's workspace (make_plan checked they fit)."""
+def _graph_split(workspace: torch.Tensor) -> int:
+    """Under CUDA graphs, decode's tensor-core route keeps its work list in the workspace's first quarter (bytes,
+    16-aligned) and split-KV's partial states in the rest."""
+    return workspace.numel() * workspace.element_size() // 4 // 16 * 16
+
+
+def _split_states(workspace: torch.Tensor, plan: Plan, offset: int, room: int) -> tuple:
+    """(partial outputs fp32 [cap, Hq, D], partial LSEs [cap, Hq]), carved from `room` bytes of the
+    caller's workspace from `offset` (make_plan checked this plan's rows fit). The layout depends only on the room
+    and the heads, never on the plan's rows, so a captured CUDA graph's pointers stay right after any re-plan."""
     flat = workspace.reshape(-1).view(torch.uint8)
-    width = plan.split_rows * plan.num_qo_heads
-    floats = flat[: 4 * width * (plan.head_dim + 1)].view(torch.float32)
-    return (floats[: width * plan.head_dim].view(plan.split_rows, plan.num_qo_heads, plan.head_dim),
-            floats[width * plan.head_dim:].view(plan.split_rows, plan.num_qo_heads), plan.merge_rows, plan.num_merge)
+    cap = room // (4 * plan.num_qo_heads * (plan.head_dim + 1))
+    width = cap * plan.num_qo_heads
+    floats = flat[offset: offset + 4 * width * (plan.head_dim + 1)].view(torch.float32)
+    return (floats[: width * plan.head_dim].view(cap, plan.num_qo_heads, plan.head_dim),
+            floats[width * plan.head_dim:].view(cap, plan.num_qo_heads))
 
 
 def _mask_indptr(qo_lens, kv_lens):
@@ -545,6 +566,7 @@ class _PrefillWrapper:
         self._graph_signature = None
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
+        self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
         self.backend = None
@@ -555,10 +577,14 @@ class _PrefillWrapper:
         return self._workspace.device
 
     def _split_bytes(self) -> int:
-        """What split-KV's partial states may take of the workspace: all of it, outside CUDA graphs (there the
-        work list lives in it), where it is contiguous."""
+        """What split-KV's partial states may take of the workspace (where it is contiguous): all of it outside CUDA
+        graphs; under them, for decode's tensor-core route, what follows the work list's quarter (_graph_split)."""
         ws = self._workspace
-        return 0 if self._use_cuda_graph or not ws.is_contiguous() else ws.numel() * ws.element_size()
+        if not ws.is_contiguous():
+            return 0
+        if not self._use_cuda_graph:
+            return ws.numel() * ws.element_size()
+        return 0 if self._graph_max_qo is None else ws.numel() * ws.element_size() - _graph_split(ws)
 
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
@@ -572,8 +598,12 @@ class _PrefillWrapper:
                 for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
                                                   self._kept).items():
                     setattr(plan, name, t)
-                if plan.merge_rows is not None:
-                    plan.split = _split_states(self._workspace, plan)
+        if plan.merge_rows is not None:
+            key = (plan.num_qo_heads, plan.head_dim)
+            if self._split_views is None or self._split_views[0] != key:  # made once: a few us of torch calls
+                offset = _graph_split(self._workspace) if self._use_cuda_graph else 0
+                self._split_views = key, _split_states(self._workspace, plan, offset, self._split_bytes())
+            plan.split = self._split_views[1] + (plan.merge_rows,)
         self._plan = plan
         self.backend = plan.backend
         self.backend_fallback_reason = plan.decision.reason if plan.decision is not None else None
@@ -623,11 +653,16 @@ class _PrefillWrapper:
         if ws.dtype != torch.uint8 or not ws.is_contiguous() or ws.numel() < 64:
             policy.refuse(entry, f"under use_cuda_graph=True float_workspace_buffer must be a contiguous uint8 "
                                  f"tensor of at least 64 bytes (got {ws.dtype}, {ws.numel()} elements).")
-        ints = ws[: ws.numel() // 4 * 4].view(torch.int32)
+        ints = ws[: (_graph_split(ws) if self._graph_max_qo is not None else ws.numel()) // 4 * 4].view(torch.int32)
         bufs = {"num_work": ints[:1], "work": ints[1:]}
         for name in _ARRAYS[2:]:
             given, t = self._caller_bufs.get(name), getattr(plan, name)
-            if given is not None:
+            if name == "merge_rows" and t is not None:  # room for every row the wrapper serves: its count, 3 each
+                given_qo = self._caller_bufs.get("qo_indptr")
+                rows = given_qo.numel() - 1 if given_qo is not None else 0
+                bufs[name] = torch.empty(max(staging.size(t), 1 + 3 * rows * self._graph_max_qo), dtype=torch.int32,
+                                         device=self.device)
+            elif given is not None:
                 want = torch.uint8 if name == "mask" else torch.int32
                 if given.dtype != want or given.device != self.device or given.dim() != 1:
                     policy.refuse(entry, f"the {name} buffer must be a 1-D {want} tensor on {self.device}.")
@@ -695,7 +730,8 @@ class _PrefillWrapper:
             grid0 = self._grid0(plan)
             if grid0:
                 attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales,
-                                        gather_ok=not self._use_cuda_graph, kv_stride_args=kv_stride_args)
+                                        gather_ok=not self._use_cuda_graph, kv_stride_args=kv_stride_args,
+                                        merge_programs=grid0 if self._use_cuda_graph else 0)
         return (out, lse) if return_lse else out
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:

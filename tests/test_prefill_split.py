@@ -127,6 +127,56 @@ def test_decode_tensor_core_route_splits(mode, device, monkeypatch):
         check_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("mode", ["decode", "tree"])
+def test_graph_replans_keep_split_items(mode, device, monkeypatch):
+    """Under use_cuda_graph=True decode's tensor-core route always runs the split kernel from fixed buffers (work
+    list in the workspace's first quarter, partial states after it, a merge list sized for every row): re-plans that
+    split and re-plans that do not, with empty requests, each against the reference (the same calls a captured graph
+    replays)."""
+    monkeypatch.setattr(prefill, "SPLIT_PROGRAMS_PER_SM", 8)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"graph{mode}".encode()))
+    cap, num_pages, rows = 4, 200, 1 if mode == "decode" else 3
+    i32 = dict(dtype=torch.int32, device=device)
+    cache = torch.randn(num_pages, 2, 16, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        ws, use_cuda_graph=True, use_tensor_cores=True, backend="triton", paged_kv_indptr_buffer=torch.empty(
+            cap + 1, **i32), paged_kv_indices_buffer=torch.empty(num_pages, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(cap, **i32))
+    splits = []
+    # the first plan the largest (the captured q's rows)
+    for kv_lens in ([64, 700, 5, 129], [500, 3, 300], [20, 30, 40, 50], [0 if mode == "decode" else 3, 900]):
+        pages = [-(-n // 16) for n in kv_lens]
+        perm = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        indptr = torch.tensor([0] + np.cumsum(pages).tolist(), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * 16 if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        kw = dict(tree_parents=[[-1, 0, 0]] * len(kv_lens)) if mode == "tree" else {}
+        w.plan(indptr.to(device), perm.to(device), last.to(device), 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+        plan = w._prefill._plan
+        assert plan.split is not None  # split items whether or not a request is cut
+        splits.append(plan.num_merge > 0)
+        q = torch.randn(len(kv_lens) * rows, 8, 64, generator=gen).to(torch.bfloat16).to(device)
+        out = nan_like(q.shape, torch.bfloat16, device)
+        lse = nan_like(q.shape[:2], torch.float32, device)
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        if mode == "decode":
+            qo = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+            ref_out, ref_lse = reference.batch_paged(q, cache, qo, indptr, perm, last)
+            assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+            check_lse(lse, ref_lse)
+        else:  # the same tree plan outside graphs, unsplit: equal within the merge's rounding
+            monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+            e = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws.clone(), use_tensor_cores=True, backend="triton")
+            e.plan(indptr.to(device), perm.to(device), last.to(device), 8, 2, 64, 16, q_data_type=torch.bfloat16,
+                   **kw)
+            e_out, e_lse = e.run(q, cache, return_lse=True)
+            monkeypatch.delenv("SERVEATTN_PREFILL_SPLIT")
+            assert rel_err(out, e_out) < tolerance(torch.bfloat16)
+            check_lse(lse, e_lse)
+    assert any(splits) and not all(splits), splits
+
+
 def test_split_rule_and_work_list():
     tiles = prefill.TileConfig(16, 64, 4, 2)
     kv = np.array([8192]); qo = np.array([1])
@@ -137,8 +187,9 @@ def test_split_rule_and_work_list():
     assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 1600  # 64 splits, block-rounded
     qo_lens, kv_lens = np.array([3, 0, 40, 1]), np.array([500, 77, 130, 64])
     work, n, merge, m, rows = prefill.build_split_work(qo_lens, kv_lens, 4, 16, 128)
-    work, merge = work.reshape(-1, 6), merge.reshape(-1, 3)
-    assert n == len(work) and m == len(merge) == 3 + 40 and rows == 3 * 4 + 40 * 2
+    assert merge[0] == m == 3 + 40 and rows == 3 * 4 + 40 * 2
+    work, merge = work.reshape(-1, 6), merge[1:].reshape(-1, 3)
+    assert n == len(work) and len(merge) == m
     q_start = np.concatenate([[0], np.cumsum(qo_lens)])
     seen = {}
     for req, tile, lo, hi, row0, stride in work:
@@ -213,3 +264,55 @@ def test_split_real_sizes(case, monkeypatch):
     assert plan0.split is None
     assert rel_err(out, out0) < tolerance(torch.bfloat16)
     check_lse(lse, lse0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "tree"])
+def test_split_under_a_captured_graph(mode):
+    """decode's tensor-core route captured once, replayed over re-plans that split (1 x 8192) and do not (64 x
+    512): against the same plans eager and unsplit."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"captured{mode}".encode()))
+    cap, num_pages, rows = 64, 40000, 1 if mode == "decode" else 5
+    i32 = dict(dtype=torch.int32, device="cuda")
+    cache = torch.randn(num_pages, 2, 16, 8, 128, generator=gen).to(torch.bfloat16).cuda()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        ws, use_cuda_graph=True, use_tensor_cores=True, backend="triton",
+        paged_kv_indptr_buffer=torch.empty(cap + 1, **i32), paged_kv_indices_buffer=torch.empty(num_pages, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(cap, **i32))
+    q = torch.randn(cap * rows, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+
+    def table(kv_lens):
+        pages = [-(-n // 16) for n in kv_lens]
+        perm = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(torch.int32)
+        indptr = torch.tensor([0] + np.cumsum(pages).tolist(), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * 16 if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        kw = dict(tree_parents=[[-1, 0, 0, 1, 1]] * len(kv_lens)) if mode == "tree" else {}
+        return (indptr.cuda(), perm.cuda(), last.cuda()), kw
+
+    first, kw = table([512] * cap)
+    w.plan(*first, 32, 8, 128, 16, q_data_type=torch.bfloat16, **kw)
+    w.run(q, cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+    for kv_lens in ([8192], [512] * cap, [3000, 7, 9000]):
+        t, kw = table(kv_lens)
+        w.plan(*t, 32, 8, 128, 16, q_data_type=torch.bfloat16, **kw)
+        n = len(kv_lens) * rows
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+        e = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
+                                                         use_tensor_cores=True, backend="triton")
+        e.plan(*t, 32, 8, 128, 16, q_data_type=torch.bfloat16, **kw)
+        e_out, e_lse = e.run(q[:n], cache, return_lse=True)
+        monkeypatch.undo()
+        assert not torch.isnan(out[:n]).any()
+        assert rel_err(out[:n], e_out) < tolerance(torch.bfloat16), kv_lens
+        check_lse(lse[:n], e_lse)

@@ -366,34 +366,36 @@ def prefill_kernel(
 def split_merge_kernel(PART_O, PART_LSE, O, LSE, merge_rows, stride_ot, stride_oh, stride_lt, stride_lh,
                        NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                        RETURN_LSE: tl.constexpr):
-    """One query token of a split request, BLOCK_H of its heads: folds the token's n chunk states (partial rows
-    first, first + 1, ..., written by prefill_kernel under SPLIT_KV) in chunk order, so bitwise repeatable, with a
-    running max (each state's weight exp2(lse - max) <= 1); merge_rows holds (output row, first, n) per token."""
-    row = tl.load(merge_rows + 3 * tl.program_id(0))
-    first = tl.load(merge_rows + 3 * tl.program_id(0) + 1)
-    n = tl.load(merge_rows + 3 * tl.program_id(0) + 2)
+    """Query tokens of split requests, BLOCK_H heads each: folds a token's n chunk states (partial rows first,
+    first + 1, ..., written by prefill_kernel under SPLIT_KV) in chunk order, so bitwise repeatable, with a running
+    max (each state's weight exp2(lse - max) <= 1). merge_rows: the token count m, then (output row, first, n) per
+    token; programs stride over the tokens (a CUDA graph's grid is fixed at capture)."""
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = head < NUM_QO_HEADS
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for c in range(0, n):
-        p_row = (first + c).to(tl.int64) * NUM_QO_HEADS + head
-        lse = tl.load(PART_LSE + p_row, mask=head_ok, other=float("-inf"))
-        part = tl.load(PART_O + p_row[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk with a visible key yet: weights 0
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, part * w[:, None], 0.0)
-        total = total * alpha + w
-        m = m_new
-    out, lse = _finish(acc, total, m, 1.0)
-    o_row = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-    tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=head_ok[:, None])
-    if RETURN_LSE:
-        tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=head_ok)
+    for t in range(tl.program_id(0), tl.load(merge_rows), tl.num_programs(0)):
+        row = tl.load(merge_rows + 1 + 3 * t)
+        first = tl.load(merge_rows + 2 + 3 * t)
+        n = tl.load(merge_rows + 3 + 3 * t)
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        for c in range(0, n):
+            p_row = (first + c).to(tl.int64) * NUM_QO_HEADS + head
+            lse = tl.load(PART_LSE + p_row, mask=head_ok, other=float("-inf"))
+            part = tl.load(PART_O + p_row[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk with a visible key yet: weights 0
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, part * w[:, None], 0.0)
+            total = total * alpha + w
+            m = m_new
+        out, lse = _finish(acc, total, m, 1.0)
+        o_row = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=head_ok[:, None])
+        if RETURN_LSE:
+            tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=head_ok)
 
 
 @triton.jit
@@ -526,9 +528,11 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
     return launched
 
 
-def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args):
+def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args,
+                  merge_programs):
     """prefill_kernel over the plan's split work list (prefill.build_split_work), then split_merge_kernel over the
-    split requests' tokens. Plain launches each call: two kernels, and the plans that split are the small ones."""
+    split requests' tokens (merge_programs of them under CUDA graphs, else one a token; none for no token). Plain
+    launches each call: two kernels, and the plans that split are the small ones."""
     ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
     fp8 = descales is not None
     dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
@@ -536,7 +540,7 @@ def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, d
         if kv_stride_args is None else (kv_stride_args, kv_stride_args)
     lse_arg = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    part_o, part_lse, merge_rows, num_merge = plan.split
+    part_o, part_lse, merge_rows = plan.split
     cfg = plan.tiles
     launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
                q, k, v, out, lse_arg, q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
@@ -551,24 +555,29 @@ def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, d
                RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
                FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=False, SPLIT_KV=True, num_warps=cfg.num_warps,
                num_stages=cfg.num_stages, **LAUNCH_OPTIONS)
+    merge_programs = merge_programs or plan.num_merge
+    if not merge_programs:
+        return
     block_h = max(1, min(triton.next_power_of_2(plan.num_qo_heads), 2048 // plan.head_dim))
-    launch_jit(split_merge_kernel, (num_merge, triton.cdiv(plan.num_qo_heads, block_h)),
+    launch_jit(split_merge_kernel, (merge_programs, triton.cdiv(plan.num_qo_heads, block_h)),
                part_o, part_lse, out, lse_arg, merge_rows, out.stride(0), out.stride(1), slt, slh,
                NUM_QO_HEADS=plan.num_qo_heads, HEAD_DIM=plan.head_dim, BLOCK_H=block_h, RETURN_LSE=lse is not None,
                **LAUNCH_OPTIONS)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
-           gather_ok: bool = False, kv_stride_args=None):
+           gather_ok: bool = False, kv_stride_args=None, merge_programs: int = 0):
     """Launches the kernel for a plan built by serveattn.prefill (all validation happened there).
 
     k_scale folds into the logit scale and v_scale into the output, inside the kernel; each is a float or
     a one-element float32 device tensor (read by the kernel). descales: (scale_q, scale_k, scale_v) float32
     device tensors of one element or one per head, for an fp8 query over an fp8 cache. gather_ok: an fp8 cache
     may be widened into a temporary for the warp-specialized kernel (not under CUDA graphs).
-    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
+    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here.
+    merge_programs: a split plan's merge grid under CUDA graphs (fixed at capture; 0: one program a token)."""
     if plan.split is not None:  # a few long requests cut into KV chunks: no replay, no warp-specialized kernel
-        _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args)
+        _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args,
+                      merge_programs)
         return
     plain = k_scale is None and v_scale is None and descales is None and plan.vt_work is None
     # fp8 attention over V^T (k_scale/v_scale are refused beside descales): its transpose and attention launches
