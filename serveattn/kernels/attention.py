@@ -528,39 +528,57 @@ def _launch_gathered(q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_pt
     return launched
 
 
+def _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_ptr, ks_dev, vs_dev, descales, vt,
+                 vt_tokens, split):
+    """prefill_kernel's positional arguments and keywords for one launch. vt: fp8 attention's V^T (None: no V^T);
+    split: the plan's split-KV states (None: the kernel without split items)."""
+    fp8 = descales is not None
+    dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    part_o, part_lse = split[:2] if split is not None else (plan.work, plan.work)
+    args = (
+        q, k, v, out, lse if lse is not None else out,  # lse: never written when RETURN_LSE is False
+        q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
+        plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
+                                                                              plan.last_page_len, plan.mask,
+                                                                              plan.mask_indptr, plan.tree_mask),
+        qk_scale, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
+        plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
+        dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
+        plan.work if vt is None else vt, plan.work if vt is None else plan.kv_tok_indptr, plan.head_dim * vt_tokens,
+        vt_tokens, part_o, part_lse)
+    cfg = plan.tiles
+    kwargs = dict(
+        GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
+        RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
+        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=vt is not None, SPLIT_KV=split is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
+    )
+    return args, kwargs
+
+
 def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, descales, kv_stride_args,
                   merge_programs):
     """prefill_kernel over the plan's split work list (prefill.build_split_work), then split_merge_kernel over the
     split requests' tokens (merge_programs of them under CUDA graphs, else one a token; none for no token). Plain
     launches each call: two kernels, and the plans that split are the small ones."""
     ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
-    fp8 = descales is not None
-    dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
     sk, sv = (kv_strides(k, kv_layout, plan.paged), kv_strides(v, kv_layout, plan.paged)) \
         if kv_stride_args is None else (kv_stride_args, kv_stride_args)
-    lse_arg = lse if lse is not None else out
-    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    part_o, part_lse, merge_rows = plan.split
-    cfg = plan.tiles
-    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads),
-               q, k, v, out, lse_arg, q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
-               plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr,
-               *_present(plan.work, plan.kv_indices, plan.last_page_len, plan.mask, plan.mask_indptr, plan.tree_mask),
-               plan.sm_scale * ks * LOG2E, plan.sm_scale * ks, plan.soft_cap, plan.window_left, plan.log2_theta,
-               plan.rcp_scale, vs, ks_ptr, vs_ptr, dq, dk, dv, int(fp8 and dq.numel() > 1),
-               int(fp8 and dk.numel() > 1), plan.work, plan.work, 0, 0, part_o, part_lse,
-               GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-               PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
-               HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
-               RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-               FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=False, SPLIT_KV=True, num_warps=cfg.num_warps,
-               num_stages=cfg.num_stages, **LAUNCH_OPTIONS)
+    args, kwargs = _kernel_call(q, k, v, out, lse, plan, sk, sv, plan.sm_scale * ks * LOG2E, ks, vs, ks_ptr, vs_ptr,
+                                ks_dev, vs_dev, descales, None, 0, plan.split)
+    launch_jit(prefill_kernel, (grid0, plan.num_kv_heads), *args, **kwargs)
     merge_programs = merge_programs or plan.num_merge
     if not merge_programs:
         return
+    part_o, part_lse, merge_rows = plan.split
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     block_h = max(1, min(triton.next_power_of_2(plan.num_qo_heads), 2048 // plan.head_dim))
     launch_jit(split_merge_kernel, (merge_programs, triton.cdiv(plan.num_qo_heads, block_h)),
-               part_o, part_lse, out, lse_arg, merge_rows, out.stride(0), out.stride(1), slt, slh,
+               part_o, part_lse, out, lse if lse is not None else out, merge_rows, out.stride(0), out.stride(1), slt,
+               slh,
                NUM_QO_HEADS=plan.num_qo_heads, HEAD_DIM=plan.head_dim, BLOCK_H=block_h, RETURN_LSE=lse is not None,
                **LAUNCH_OPTIONS)
 
@@ -592,16 +610,11 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
         repeat = plan.launch_memo.get(replay.GATHERED)
         if repeat is not None and repeat(q, k, v, out, lse, grid0, (qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev)):
             return
-    fp8 = descales is not None
-    dq, dk, dv = descales if fp8 else (plan.work, plan.work, plan.work)
     if kv_stride_args is None:
         sk = kv_strides(k, kv_layout, plan.paged)
         sv = kv_strides(v, kv_layout, plan.paged)
     else:
         sk = sv = kv_stride_args
-    lse_arg = lse if lse is not None else out  # never written when RETURN_LSE is False
-    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    cfg = plan.tiles
     if attention_ws is not None and gather_ok and descales is None and _launch_gathered(
             q, k, v, out, lse, plan, sk, sv, grid0, qk_scale, vs, ks_ptr, vs_ptr, ks_dev, vs_dev):
         return
@@ -623,25 +636,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_
                                   vs_dev, descales, vt if plan.vt_work is not None else None,
                                   replay_gather_ok=gather_ok if plain or fp8_vt else None, transpose=transpose):
         return
-    args = (
-        q, k, v, out, lse_arg,
-        q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), slt, slh,
-        plan.work, plan.num_work, plan.qo_indptr, plan.kv_indptr, *_present(plan.work, plan.kv_indices,
-                                                                              plan.last_page_len, plan.mask,
-                                                                              plan.mask_indptr, plan.tree_mask),
-        qk_scale, plan.sm_scale * ks, plan.soft_cap, plan.window_left,
-        plan.log2_theta, plan.rcp_scale, vs, ks_ptr, vs_ptr,
-        dq, dk, dv, int(fp8 and dq.numel() > 1), int(fp8 and dk.numel() > 1),
-        vt, plan.kv_tok_indptr if plan.vt_work is not None else plan.work, plan.head_dim * vt_tokens, vt_tokens,
-        plan.work, plan.work)
-    kwargs = dict(
-        GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
-        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
-        RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
-        FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=plan.vt_work is not None, SPLIT_KV=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
-    )
+    args, kwargs = _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_ptr, ks_dev, vs_dev,
+                                descales, vt if plan.vt_work is not None else None, vt_tokens, None)
     grid = (grid0, plan.num_kv_heads)
     if not (plain and replay.KEY not in plan.launch_memo and replay.aligned(q, out, lse)
             and (plan.paged or replay.aligned(k, v))):
