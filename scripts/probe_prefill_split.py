@@ -2,6 +2,7 @@
 timed in turn (do_bench median, the L2 flushed), beside FlashInfer's tensor-core decode where it imports.
 
     PYTHONPATH=$PWD python3 scripts/probe_prefill_split.py [--cases tc-1x8192,chunk-1x256x16384] [--rounds 3]
+        [--chunks 256,512,1024]   # also the split forced to chunks of N keys (SERVEATTN_PREFILL_SPLIT_CHUNK)
 
 Cases: tc-BxKV (the decode wrapper, use_tensor_cores=True, backend="triton": the prefill kernel, one row per
 request), tree-BxKV (5-node trees on that route), chunk-BxQxKV (the paged prefill wrapper, causal, Q new
@@ -73,26 +74,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=DEFAULT)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunks", default="", help="forced chunk sizes to time beside the rule's")
     args = ap.parse_args()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print(f"{torch.cuda.get_device_name(0)}; ms, do_bench median with the L2 flushed; settings in turn, "
           f"{args.rounds} rounds")
+    settings = ["0", "1"] + [f"chunk={c}" for c in args.chunks.split(",") if c]
     for case in args.cases.split(","):
         runs = {}
-        for setting in ("0", "1"):
-            os.environ["SERVEATTN_PREFILL_SPLIT"] = setting
+        for setting in settings:
+            os.environ["SERVEATTN_PREFILL_SPLIT"] = "0" if setting == "0" else "1"
+            if setting.startswith("chunk="):
+                os.environ["SERVEATTN_PREFILL_SPLIT_CHUNK"] = setting[6:]
             runs[setting] = _ours(case, ws)
+            os.environ.pop("SERVEATTN_PREFILL_SPLIT_CHUNK", None)
         os.environ.pop("SERVEATTN_PREFILL_SPLIT", None)
         fi = _flashinfer(runs["1"][2])
-        times = {"0": [], "1": [], "fi": []}
+        times = {k: [] for k in settings + ["fi"]}
         for _ in range(args.rounds):
-            for setting in ("0", "1"):
+            for setting in settings:
                 times[setting].append(common.bench_ms(runs[setting][0], warmup_ms=10, rep_ms=50))
             if fi is not None:
                 times["fi"].append(common.bench_ms(fi, warmup_ms=10, rep_ms=50))
         best = {k: min(v) for k, v in times.items() if v}
         line = (f"{case}: unsplit {best['0']:.4f}  split {best['1']:.4f}  ({best['0'] / best['1']:.2f}x; "
                 f"{runs['1'][1]})")
+        for setting in settings[2:]:
+            line += f"  {setting} {best[setting]:.4f}"
         if "fi" in best:
             line += f"  flashinfer tc {best['fi']:.4f} (ours split / fi {best['1'] / best['fi']:.2f})"
         print(line, flush=True)

@@ -731,7 +731,7 @@ class _PrefillWrapper:
             if grid0:
                 attention_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, k_scale, v_scale, descales,
                                         gather_ok=not self._use_cuda_graph, kv_stride_args=kv_stride_args,
-                                        merge_programs=grid0 if self._use_cuda_graph else 0)
+                                        merge_programs=self._merge_grid0(plan) if self._use_cuda_graph else 0)
         return (out, lse) if return_lse else out
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:
@@ -749,6 +749,14 @@ class _PrefillWrapper:
         if plan.device.type != "cuda":
             return 4
         return 2 * policy.cuda_properties(plan.device)[1]
+
+    @staticmethod
+    def _merge_grid0(plan: Plan) -> int:
+        """Under CUDA graphs, split_merge_kernel's programs per query head (fixed at capture, striding over the
+        tokens): about four programs an SM in all."""
+        if plan.device.type != "cuda":
+            return 2
+        return -(-4 * policy.cuda_properties(plan.device)[1] // plan.num_qo_heads)
 
     # FlashInfer spells run() also as forward() in older releases.
     def forward(self, *args, **kwargs):

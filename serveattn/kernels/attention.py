@@ -364,38 +364,42 @@ def prefill_kernel(
 
 @triton.jit
 def split_merge_kernel(PART_O, PART_LSE, O, LSE, merge_rows, stride_ot, stride_oh, stride_lt, stride_lh,
-                       NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                       NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SLOTS: tl.constexpr,
                        RETURN_LSE: tl.constexpr):
-    """Query tokens of split requests, BLOCK_H heads each: folds a token's n chunk states (partial rows first,
-    first + 1, ..., written by prefill_kernel under SPLIT_KV) in chunk order, so bitwise repeatable, with a running
-    max (each state's weight exp2(lse - max) <= 1). merge_rows: the token count m, then (output row, first, n) per
-    token; programs stride over the tokens (a CUDA graph's grid is fixed at capture)."""
-    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = head < NUM_QO_HEADS
+    """One query head (program_id(1)) of query tokens of split requests: folds a token's n chunk states (partial
+    rows first, first + 1, ..., written by prefill_kernel under SPLIT_KV), SLOTS chunks a load, in chunk order (so
+    bitwise repeatable), each block weighted by exp2(lse - the running max) and the sum so far rescaled when the max
+    grows. merge_rows: the token count m, then (output row, first, n) per token; programs stride over the tokens (a
+    CUDA graph's grid is fixed at capture). One head a program: a lone token still spreads over NUM_QO_HEADS
+    programs, and its chunks come in SLOTS at a time instead of one dependent load each."""
+    head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, SLOTS)
     for t in range(tl.program_id(0), tl.load(merge_rows), tl.num_programs(0)):
         row = tl.load(merge_rows + 1 + 3 * t)
         first = tl.load(merge_rows + 2 + 3 * t)
         n = tl.load(merge_rows + 3 + 3 * t)
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        for c in range(0, n):
-            p_row = (first + c).to(tl.int64) * NUM_QO_HEADS + head
-            lse = tl.load(PART_LSE + p_row, mask=head_ok, other=float("-inf"))
-            part = tl.load(PART_O + p_row[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
-            m_new = tl.maximum(m, lse)
+        m = float("-inf")
+        total = 0.0
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, n, SLOTS):
+            ok = (s0 + j) < n
+            p_row = (first + s0 + j).to(tl.int64) * NUM_QO_HEADS + head
+            lse = tl.load(PART_LSE + p_row, mask=ok, other=float("-inf"))
+            part = tl.load(PART_O + p_row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m, tl.max(lse, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk with a visible key yet: weights 0
             alpha = tl.exp2(m - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + tl.where(w[:, None] > 0, part * w[:, None], 0.0)
-            total = total * alpha + w
+            w = tl.exp2(lse - m_safe)  # an empty chunk (lse -inf) weighs 0, and its state is never multiplied in
+            acc = acc * alpha + tl.sum(tl.where(w[:, None] > 0, part * w[:, None], 0.0), 0)
+            total = total * alpha + tl.sum(w, 0)
             m = m_new
-        out, lse = _finish(acc, total, m, 1.0)
-        o_row = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-        tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=head_ok[:, None])
+        empty = total == 0.0
+        out = acc / tl.where(empty, 1.0, total)
+        tl.store(O + row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh + d, to_dtype(out, O.dtype.element_ty))
         if RETURN_LSE:
-            tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=head_ok)
+            tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh,
+                     tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total))))
 
 
 @triton.jit
@@ -575,12 +579,11 @@ def _launch_split(q, k, v, out, lse, plan, kv_layout, grid0, k_scale, v_scale, d
         return
     part_o, part_lse, merge_rows = plan.split
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    block_h = max(1, min(triton.next_power_of_2(plan.num_qo_heads), 2048 // plan.head_dim))
-    launch_jit(split_merge_kernel, (merge_programs, triton.cdiv(plan.num_qo_heads, block_h)),
+    launch_jit(split_merge_kernel, (merge_programs, plan.num_qo_heads),
                part_o, part_lse, out, lse if lse is not None else out, merge_rows, out.stride(0), out.stride(1), slt,
                slh,
-               NUM_QO_HEADS=plan.num_qo_heads, HEAD_DIM=plan.head_dim, BLOCK_H=block_h, RETURN_LSE=lse is not None,
-               **LAUNCH_OPTIONS)
+               NUM_QO_HEADS=plan.num_qo_heads, HEAD_DIM=plan.head_dim, SLOTS=max(1, 2048 // plan.head_dim),
+               RETURN_LSE=lse is not None, **LAUNCH_OPTIONS)
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, k_scale=None, v_scale=None, descales=None,
