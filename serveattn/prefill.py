@@ -126,7 +126,7 @@ class Plan:
     # request, token indptr, the ragged view of this plan, whether it pays), made at the first run that asks
     gathered: Optional[tuple] = None
     # split-KV (build_split_work): the (output row, first partial row, chunks) of each split request's tokens, their
-    # count, the partial rows; split = (partial outputs, partial LSEs, merge_rows, num_merge) set by _commit
+    # count, the partial rows; split = (partial outputs, partial LSEs, merge_rows) set by _commit
     merge_rows: Optional[torch.Tensor] = None
     num_merge: int = 0
     split_rows: int = 0
@@ -200,18 +200,29 @@ def split_rows(qo_lens, kv_lens, chunk: int) -> int:
     return int(np.dot(qo, np.where(kv > chunk, -(-kv // chunk), 0)))
 
 
-def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: Optional[int]):
+def unsplit_items(pairs: np.ndarray, kv_lens) -> np.ndarray:
+    """build_work's (request, tile) pairs as build_split_work's items of a plan that cuts no request: every
+    request's whole KV, the output written directly (a few numpy calls: CUDA-graph re-plans take this path)."""
+    n = pairs.size // 2
+    work = np.empty((n, 6), dtype=np.int32)
+    work[:, :2] = pairs.reshape(n, 2)
+    work[:, 2] = 0
+    work[:, 3] = np.asarray(kv_lens)[work[:, 0]]
+    work[:, 4] = -1
+    work[:, 5] = 0
+    return work.reshape(-1)
+
+
+def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
     """Work items int32 [6 n] (request, query tile, first key, end key, first partial row, partial row stride) for
     requests longer than chunk cut into chunks of chunk keys, each request's chunks together and each chunk's
     tiles together (costliest first, as build_work) so the programs running at once share K/V in L2; an unsplit
     request's items have first partial row -1 and write the output. Token t of a split request of n chunks keeps
     chunk c's state in partial row base + t n + c; merge rows int32 [1 + 3 m]: m, then (output row, base + t n, n)
-    per such token. chunk None: no request is cut (CUDA graphs' split items for an unsplit plan). Returns (work,
-    items, merge_rows, merge count, partial rows)."""
+    per such token. Returns (work, items, merge_rows, merge count, partial rows)."""
     qo, kv = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
     tiles = _tiles(qo, group, block_m)
-    size = chunk if chunk is not None else 0
-    chunks = np.where(kv > size, -(-kv // max(size, 1)), 1) if size else np.ones_like(kv)
+    chunks = np.where(kv > chunk, -(-kv // chunk), 1)
     split = chunks > 1
     rows = np.where(split, qo * chunks, 0)
     base = np.cumsum(rows) - rows
@@ -223,8 +234,8 @@ def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: Optional
     work = np.empty((req.size, 6), dtype=np.int64)
     work[:, 0] = req
     work[:, 1] = tiles[req] - 1 - index % tiles[req]
-    work[:, 2] = c * size
-    work[:, 3] = np.where(split[req], (c + 1) * size, kv[req])
+    work[:, 2] = c * chunk
+    work[:, 3] = np.where(split[req], (c + 1) * chunk, kv[req])
     work[:, 4] = np.where(split[req], base[req] + c, -1)
     work[:, 5] = np.where(split[req], chunks[req], 0)
     q_start = np.cumsum(qo) - qo
@@ -355,9 +366,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         if chunk is not None and 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) > \
                 workspace_bytes:
             chunk = None  # the partial states would not fit: unsplit
-        if chunk is not None or (items and graph_tiles):
+        if chunk is not None:
             work, n, plan.merge_rows, plan.num_merge, plan.split_rows = build_split_work(
                 qo_lens, kv_lens, group, tiles.block_m, chunk)
+        elif items and graph_tiles:  # the split kernel's items for an unsplit plan
+            work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
         plan.work, plan.num_work_host = work, n
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr

@@ -22,7 +22,8 @@ def _hopper():
 def triton_path_calls(monkeypatch):
     """Counts, per kernel, the launches that went through JITFunction.run (Triton's own path)."""
     calls = {}
-    kernels = [decode.decode_kernel, decode.merge_kernel, attention.prefill_kernel, attention.transpose_v_kernel,
+    kernels = [decode.decode_kernel, decode.merge_kernel, attention.prefill_kernel, attention.split_merge_kernel,
+               attention.transpose_v_kernel,
                gather.gather_widen_kernel]
     if attention.attention_ws is not None:
         kernels.append(attention.attention_ws.prefill_ws_kernel)
