@@ -3,6 +3,8 @@ timed in turn (do_bench median, the L2 flushed), beside FlashInfer's tensor-core
 
     PYTHONPATH=$PWD python3 scripts/probe_prefill_split.py [--cases tc-1x8192,chunk-1x256x16384] [--rounds 3]
         [--chunks 256,512,1024]   # also the split forced to chunks of N keys (SERVEATTN_PREFILL_SPLIT_CHUNK)
+        [--graph]                 # tc / tree cases captured in a CUDA graph and replayed (each wrapper its own
+                                  # workspace: a captured work list lives in it)
 
 Cases: tc-BxKV (the decode wrapper, use_tensor_cores=True, backend="triton": the prefill kernel, one row per
 request), tree-BxKV (5-node trees on that route), chunk-BxQxKV (the paged prefill wrapper, causal, Q new
@@ -29,8 +31,9 @@ def _table(batch, kv):
     return indptr, perm[: batch * pages], last, cache
 
 
-def _ours(case, ws):
-    """() -> None running the case once, after its plan (the plan is redone per setting: the switch is read there)."""
+def _ours(case, ws, graph=False):
+    """() -> None running the case once, after its plan (the plan is redone per setting: the switch is read there);
+    graph: the decode wrapper's call captured and replayed."""
     kind, shape = case.split("-", 1)
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
@@ -46,13 +49,24 @@ def _ours(case, ws):
         kw = dict(tree_parents=[[-1, 0, 0, 1, 1]] * batch) if kind == "tree" else {}
         rows = 5 if kind == "tree" else 1
         q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
-        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        bufs = dict(paged_kv_indptr_buffer=torch.empty_like(indptr), paged_kv_indices_buffer=torch.empty_like(indices),
+                    paged_kv_last_page_len_buffer=torch.empty_like(last)) if graph else {}
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton",
+                                                         use_cuda_graph=graph, **bufs)
         w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, **kw)
         plan = w._prefill._plan
     out = torch.empty_like(q)
-    split = "no split" if plan.split is None else \
+    split = "no split" if not plan.num_merge else \
         f"{plan.num_work_host} items, {plan.split_rows} partial rows, {plan.num_merge} merged tokens"
-    return (lambda: w.run(q, cache, out=out)), split, (indptr, indices, last, cache, q, kind, batch, kv)
+    data = (indptr, indices, last, cache, q, kind, batch, kv)
+    if graph and kind != "chunk":
+        w.run(q, cache, out=out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.run(q, cache, out=out)
+        return g.replay, split, data
+    return (lambda: w.run(q, cache, out=out)), split, data
 
 
 def _flashinfer(data):
@@ -75,10 +89,11 @@ def main():
     ap.add_argument("--cases", default=DEFAULT)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunks", default="", help="forced chunk sizes to time beside the rule's")
+    ap.add_argument("--graph", action="store_true", help="tc / tree cases replayed from a CUDA graph")
     args = ap.parse_args()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     print(f"{torch.cuda.get_device_name(0)}; ms, do_bench median with the L2 flushed; settings in turn, "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds{'; tc / tree cases from CUDA graphs' if args.graph else ''}")
     settings = ["0", "1"] + [f"chunk={c}" for c in args.chunks.split(",") if c]
     for case in args.cases.split(","):
         runs = {}
@@ -86,7 +101,8 @@ def main():
             os.environ["SERVEATTN_PREFILL_SPLIT"] = "0" if setting == "0" else "1"
             if setting.startswith("chunk="):
                 os.environ["SERVEATTN_PREFILL_SPLIT_CHUNK"] = setting[6:]
-            runs[setting] = _ours(case, ws)
+            own = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.graph else ws
+            runs[setting] = _ours(case, own, args.graph)
             os.environ.pop("SERVEATTN_PREFILL_SPLIT_CHUNK", None)
         os.environ.pop("SERVEATTN_PREFILL_SPLIT", None)
         fi = _flashinfer(runs["1"][2])
