@@ -118,7 +118,8 @@ def main():
         for setting in settings[2:]:
             line += f"  {setting} {best[setting]:.4f}"
         if "fi" in best:
-            line += f"  flashinfer tc {best['fi']:.4f} (ours split / fi {best['1'] / best['fi']:.2f})"
+            line += (f"  flashinfer tc{' eager' if args.graph else ''} {best['fi']:.4f} "
+                     f"(ours split / fi {best['1'] / best['fi']:.2f})")
         print(line, flush=True)
 
 
