@@ -177,17 +177,16 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
     is long enough to cut, else None. SERVEATTN_PREFILL_SPLIT=0 turns splitting off; SERVEATTN_PREFILL_SPLIT_CHUNK=N
     forces chunks of N tokens (tests, measuring)."""
-    if knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0" or num_items == 0:
+    programs = num_items * num_kv_heads
+    target = SPLIT_PROGRAMS_PER_SM * num_sms
+    forced = knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
+    # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
+    if num_items == 0 or (programs >= target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     max_kv = int(np.maximum.reduce(kv_lens))
-    forced = knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     if forced:
         chunk = int(forced)
     else:
-        programs = num_items * num_kv_heads
-        target = SPLIT_PROGRAMS_PER_SM * num_sms
-        if programs >= target:
-            return None
         splits = 1 << (-(-target // programs) - 1).bit_length()  # a power of two: even chunks of even lengths
         chunk = max(SPLIT_MIN_CHUNK, -(-max_kv // splits))
     chunk = -(-chunk // tiles.block_n) * tiles.block_n
@@ -580,6 +579,8 @@ class _PrefillWrapper:
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
         self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
+        self._workspace_bytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size() \
+            if float_workspace_buffer.is_contiguous() else 0
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
         self.backend = None
@@ -592,12 +593,9 @@ class _PrefillWrapper:
     def _split_bytes(self) -> int:
         """What split-KV's partial states may take of the workspace (where it is contiguous): all of it outside CUDA
         graphs; under them, for decode's tensor-core route, what follows the work list's quarter (_graph_split)."""
-        ws = self._workspace
-        if not ws.is_contiguous():
-            return 0
-        if not self._use_cuda_graph:
-            return ws.numel() * ws.element_size()
-        return 0 if self._graph_max_qo is None else ws.numel() * ws.element_size() - _graph_split(ws)
+        if not self._use_cuda_graph or not self._workspace_bytes:
+            return self._workspace_bytes
+        return 0 if self._graph_max_qo is None else self._workspace_bytes - _graph_split(self._workspace)
 
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
