@@ -622,6 +622,14 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
             policy.refuse(entry, f"{name} must be a 3-D tensor.")
     policy.check_same_kv_dtype(entry, k, v)
     route = backends.resolve(entry, backend, q.device)
+    if route == "triton" and use_tensor_cores and backend == "auto" and pos_encoding_mode == "NONE":
+        # use_tensor_cores=True is a hint under auto, as for the batch wrapper: the table decides for one request
+        num_kv_heads = k.shape[1] if kv_layout == "NHD" else k.shape[0]
+        use_tensor_cores = routing.choose_decode(entry, backend, routing.decode_request(
+            q.device, batch=1, num_qo_heads=q.shape[0], num_kv_heads=num_kv_heads, head_dim=q.shape[1],
+            q_data_type=q.dtype, kv_data_type=k.dtype, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, q_len_per_req=1, tree=False, use_tensor_cores=True,
+            use_cuda_graph=False), q.device, None).kernel == routing.TENSOR_CORE
     if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
         return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
                                         v_scale, return_lse)
