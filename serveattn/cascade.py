@@ -301,6 +301,9 @@ class MultiLevelCascadeAttentionWrapper:
             _merge_two(self.backend, out, lse, level_out, level_lse, out, lse)
         return (out, lse) if return_lse else out
 
-    # FlashInfer spells run() also as forward() in older releases.
+    # FlashInfer's deprecated names: begin_forward() for plan(), forward() for run()
+    def begin_forward(self, *args, **kwargs):
+        return self.plan(*args, **kwargs)
+
     def forward(self, *args, **kwargs):
         return self.run(*args, **kwargs)

@@ -9,6 +9,8 @@ with one query row per request.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import warnings
@@ -24,7 +26,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
-from .prefill import _cache_views, _pair_views, _plain_run
+from .prefill import _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -214,6 +216,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # under CUDA graphs the batch capacity, which fixes the tiles from capture on (read once: a torch call)
         self._graph_cap = paged_kv_last_page_len_buffer.numel() if use_cuda_graph else None
         self._plan: Optional[DecodePlan] = None
+        self._variants = None  # (plan, {forward()'s settings: the plan with them}), see _overridden
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
@@ -427,11 +430,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     last_page_len=self._bufs["last_page_len"])
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
-            scale_v=None, out=None, lse=None, return_lse=False, q_len_per_req=None, **unsupported_kwargs):
+            scale_v=None, out=None, lse=None, return_lse=False, q_len_per_req=None, enable_pdl=None, window_left=None,
+            **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
+        plan's (as FlashInfer's kernels assert)."""
         entry = self._entry + ".run"
-        if args or unsupported_kwargs:
+        if args:
             policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, scale_q, "
                                       "scale_k, scale_v, out, lse, return_lse.")
+        if unsupported_kwargs or window_left is not None:
+            plan = self._prefill._plan if self._prefill is not None else self._plan
+            _run_extras(entry, plan, window_left, unsupported_kwargs)
         if q_scale is not None:
             policy.unsupported(entry, "q_scale is not served; an fp8 query takes the descale tensors scale_q, "
                                       "scale_k, scale_v (use_tensor_cores=True).")
@@ -471,8 +480,54 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  self._done_count, kv_strides)
         return (out, lse) if return_lse else out
 
-    def forward(self, *args, **kwargs):
-        return self.run(*args, **kwargs)
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+    begin_forward = plan  # FlashInfer's deprecated name
+
+    def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None, v_scale=None,
+                window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+                return_lse=False):
+        """FlashInfer's deprecated run(): its arguments, defaults included, set this call's positional encoding,
+        window, soft cap and scales, as FlashInfer's forward() does (there they also hold for later run() calls;
+        here for this call). The bandwidth kernel serves no RoPE: plan with it (the tensor-core route)."""
+        entry = self._entry + ".forward"
+        settings = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        with (self._prefill._overridden(entry, self._prefill._plan is not None and self._prefill._plan.causal,
+                                        *settings) if self._prefill is not None else self._overridden(entry, *settings)):
+            return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                            return_lse=return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to release."""
+
+    @contextlib.contextmanager
+    def _overridden(self, entry, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta):
+        """The bandwidth route's plan with forward()'s settings for one call (made once per distinct set)."""
+        plan = self._plan
+        if plan is None:
+            policy.refuse(entry, "forward() was called before plan().")
+        key = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        if self._variants is None or self._variants[0] is not plan:
+            self._variants = (plan, {})
+        variant = self._variants[1].get(key)
+        if variant is None:
+            policy.check_pos_encoding(entry, pos_encoding_mode)
+            policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                 rope_scale=rope_scale, rope_theta=rope_theta)
+            if pos_encoding_mode != "NONE":
+                policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} at forward() on a plan of the "
+                                          f"bandwidth kernel, which serves no RoPE; pass it to plan(), which takes "
+                                          f"the tensor-core route for it.")
+            fields = dict(window_left=window_left, soft_cap=float(logits_soft_cap or 0.0),
+                          sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim))
+            variant = plan if all(getattr(plan, k) == v for k, v in fields.items()) else replace(plan, **fields)
+            self._variants[1][key] = variant
+        self._plan = variant
+        try:
+            yield
+        finally:
+            self._plan = plan
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -622,6 +677,14 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
             policy.refuse(entry, f"{name} must be a 3-D tensor.")
     policy.check_same_kv_dtype(entry, k, v)
     route = backends.resolve(entry, backend, q.device)
+    if route == "triton" and use_tensor_cores and backend == "auto" and pos_encoding_mode == "NONE":
+        # use_tensor_cores=True is a hint under auto, as for the batch wrapper: the table decides for one request
+        num_kv_heads = k.shape[1] if kv_layout == "NHD" else k.shape[0]
+        use_tensor_cores = routing.choose_decode(entry, backend, routing.decode_request(
+            q.device, batch=1, num_qo_heads=q.shape[0], num_kv_heads=num_kv_heads, head_dim=q.shape[1],
+            q_data_type=q.dtype, kv_data_type=k.dtype, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, q_len_per_req=1, tree=False, use_tensor_cores=True,
+            use_cuda_graph=False), q.device, None).kernel == routing.TENSOR_CORE
     if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
         return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
                                         v_scale, return_lse)

@@ -6,6 +6,7 @@ state or caller buffer is touched.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
@@ -583,6 +584,7 @@ class _PrefillWrapper:
             if float_workspace_buffer.is_contiguous() else 0
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
+        self._variants = None  # (plan, {forward()'s settings: the plan with them}), see _overridden
         self.backend = None
         self.backend_fallback_reason = None
 
@@ -769,9 +771,32 @@ class _PrefillWrapper:
             return 2
         return -(-4 * policy.cuda_properties(plan.device)[1] // plan.num_qo_heads)
 
-    # FlashInfer spells run() also as forward() in older releases.
-    def forward(self, *args, **kwargs):
-        return self.run(*args, **kwargs)
+    @contextlib.contextmanager
+    def _overridden(self, entry, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                    rope_theta):
+        """FlashInfer's deprecated forward() sets causal, the positional encoding, window, soft cap and scales
+        (its defaults included) before its run(): here the current plan with those values runs the call, made once
+        per distinct set and checked as plan() checks them (a custom mask still overrides causal)."""
+        plan = self._plan
+        if plan is None:
+            policy.refuse(entry, "forward() was called before plan().")
+        key = (bool(causal), pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+        if self._variants is None or self._variants[0] is not plan:
+            self._variants = (plan, {})
+        variant = self._variants[1].get(key)
+        if variant is None:
+            variant = self._variants[1][key] = _plan_with(entry, plan, *key)
+        self._plan = variant
+        try:
+            yield
+        finally:
+            if self._plan is variant:  # (a cuDNN failure inside the call replaces the plan: keep the original)
+                self._plan = plan
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to release."""
+
+    # FlashInfer's deprecated forward() / forward_return_lse() are defined per wrapper: their arguments differ
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
@@ -819,8 +844,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
-            out=None, lse=None, return_lse=False):
+            out=None, lse=None, return_lse=False, enable_pdl=None, window_left=None, **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
+        plan's (as FlashInfer's kernels assert)."""
         entry = self._entry + ".run"
+        if unsupported_kwargs or window_left is not None:
+            _run_extras(entry, self._plan, window_left, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
@@ -841,6 +870,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
                                      f"{k.shape[0]} pages.")
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+    begin_forward = plan  # FlashInfer's deprecated name
+
+    def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+                k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
+                rope_theta=None, return_lse=False):
+        """FlashInfer's deprecated run(): its arguments, defaults included, set this call's causal mode, positional
+        encoding, window, soft cap and scales, as FlashInfer's forward() does (there they also hold for later
+        run() calls; here for this call). use_fp16_qk_reduction permits a less exact sum: it is not needed."""
+        with self._overridden(self._entry + ".forward", causal, pos_encoding_mode, window_left, logits_soft_cap,
+                              sm_scale, rope_scale, rope_theta):
+            return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
@@ -873,8 +917,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
-            lse=None, return_lse=False):
+            lse=None, return_lse=False, enable_pdl=None, **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed."""
         entry = self._entry + ".run"
+        if unsupported_kwargs:
+            _run_extras(entry, self._plan, None, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is not None and _plain_ragged_run(plan, q, k, v, out, self._kv_layout):
@@ -889,6 +936,55 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                     policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
                                          f"expects {list(want)}.")
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales)
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+    begin_forward = plan  # FlashInfer's deprecated name
+
+    def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, window_left=-1,
+                logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False):
+        """FlashInfer's deprecated run(), as BatchPrefillWithPagedKVCacheWrapper.forward (no scales: FlashInfer's
+        ragged forward() takes none)."""
+        with self._overridden(self._entry + ".forward", causal, pos_encoding_mode, window_left, logits_soft_cap,
+                              sm_scale, rope_scale, rope_theta):
+            return self.run(q, k, v, return_lse=return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+
+def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+               rope_theta) -> Plan:
+    """plan with forward()'s settings (_PrefillWrapper._overridden), checked as make_plan checks them; plan itself
+    where they are its own. The cuDNN route's variants take our kernel (its table measured the planned kind)."""
+    policy.check_pos_encoding(entry, pos_encoding_mode)
+    policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                         rope_scale=rope_scale, rope_theta=rope_theta)
+    rope = pos_encoding_mode == "ROPE_LLAMA"
+    if rope and not plan.rope and (plan.q_dtype in policy.FP8_DTYPES or plan.tree_mask_host is not None):
+        policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} is not served with an fp8 query or a "
+                                  f"tree; apply RoPE before quantizing q and k (or appending K).")
+    causal = causal and not plan.has_mask  # a custom mask overrides causal, as at plan()
+    if causal and not plan.causal:
+        policy.check_causal_lengths(entry, np.diff(plan.qo_indptr_host.numpy()), plan.kv_lens_host.numpy())
+    fields = dict(causal=causal, window_left=window_left, soft_cap=float(logits_soft_cap or 0.0), rope=rope,
+                  sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim),
+                  log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
+                  rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0))
+    if all(getattr(plan, name) == value for name, value in fields.items()):
+        return plan
+    # gathered (the paged cache as ragged rows) holds a ragged copy of the plan's settings: made again if asked
+    return replace(plan, **fields, gathered=None, backend="triton" if plan.backend == "cudnn" else plan.backend)
+
+
+def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
+    """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs."""
+    if kwargs.get("lse_base", "log2") == "log2" and kwargs.get("lse_layout", "NH") == "NH":
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("lse_base", "lse_layout")}  # our LSE already
+    if kwargs:
+        policy.unsupported(entry, f"run() argument(s) {', '.join(sorted(kwargs))} are not served (the LSE is base 2 "
+                                  f"in [rows, heads]: lse_base='log2', lse_layout='NH').")
+    if window_left is not None and plan is not None and window_left != plan.window_left:
+        policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's "
+                             f"{plan.window_left}; pass it to plan().")
 
 
 def _refuse_extra(entry: str, kwargs: dict) -> None:

@@ -418,6 +418,32 @@ def test_decode_wrapper_reresolves_and_numbers_agree_whichever_route(fake_gpu):
 
 
 @cpu_only
+def test_single_decode_use_tensor_cores_true_is_a_hint_under_auto(fake_gpu, monkeypatch):
+    """single_decode_with_kv_cache asks the same table as the batch wrapper (one request) under auto."""
+    from serveattn import decode as decode_mod
+    fake_gpu(sms=2)
+    monkeypatch.setattr(decode_mod.backends, "resolve", lambda entry, backend, device: "triton")
+    taken = []
+    bandwidth, prefill = decode_mod._single_decode_bandwidth, decode_mod.single_prefill_with_kv_cache
+    monkeypatch.setattr(decode_mod, "_single_decode_bandwidth",
+                        lambda *a, **k: taken.append("bandwidth") or bandwidth(*a, **k))
+    # the prefill family on CPU tensors: its kernel through the interpreter (auto would take torch there)
+    monkeypatch.setattr(decode_mod, "single_prefill_with_kv_cache",
+                        lambda *a, **k: taken.append("tensor-core") or prefill(*a, **{**k, "backend": "triton"}))
+    gen = torch.Generator().manual_seed(3)
+    for head_dim, kw, route in ((128, {}, "bandwidth"),  # measured (bf16, 128, group 4): the table's kernel
+                                (64, {}, "tensor-core"),  # unmeasured: the hint is taken
+                                (128, dict(backend="triton"), "tensor-core")):  # explicit: literal
+        q = torch.randn(8, head_dim, generator=gen).to(BF16)
+        k = torch.randn(40, 2, head_dim, generator=gen).to(BF16)
+        v = torch.randn(40, 2, head_dim, generator=gen).to(BF16)
+        out = serveattn.single_decode_with_kv_cache(q, k, v, use_tensor_cores=True, **kw)
+        assert taken[-1] == route, (head_dim, kw, taken)
+        ref, _ = reference.attention(q[None], k, v)
+        assert rel_err(out, ref[0]) < tolerance(BF16)
+
+
+@cpu_only
 def test_decode_use_tensor_cores_true_is_a_hint_and_explicit_triton_is_literal(fake_gpu):
     fake_gpu(sms=2)
     b = _decode_batch(1)

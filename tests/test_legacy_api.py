@@ -1,0 +1,147 @@
+"""FlashInfer's other spellings of plan() and run(): begin_forward, forward / forward_return_lse (whose arguments set
+the call's causal mode, positional encoding, window, soft cap and scales, defaults included, as FlashInfer's do),
+run_return_lse, end_forward. SGLang's FlashInfer backend calls forward() with these arguments."""
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from helpers import check_lse, make_paged_batch, rel_err, tolerance
+
+BF16 = torch.bfloat16
+
+
+def _batch(device, qo_lens=(3, 0, 5), kv_lens=(40, 9, 23)):
+    gen = torch.Generator().manual_seed(17)
+    return make_paged_batch(gen, qo_lens=list(qo_lens), kv_lens=list(kv_lens), num_qo_heads=8, num_kv_heads=2,
+                            head_dim=64, page_size=16, dtype=BF16, device=device)
+
+
+def _paged(device, b, backend="triton", **plan_kw):
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                      backend=backend)
+    w.begin_forward(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=BF16,
+                    **plan_kw)
+    return w
+
+
+SETTINGS = [dict(causal=True, sm_scale=0.2, logits_soft_cap=7.0),
+            dict(causal=True, window_left=6),
+            dict(causal=False, pos_encoding_mode="ROPE_LLAMA", rope_theta=300.0, rope_scale=2.0)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=["scale-cap", "window", "rope"])
+def test_paged_forward_settings_equal_a_plan_with_them(settings, backend, device):
+    b = _batch(device)
+    planned = _paged(device, b, backend, **settings)  # the same settings at plan(): bitwise the same call
+    want_out, want_lse = planned.run_return_lse(b.q, b.cache, k_scale=0.5, v_scale=2.0)
+    w = _paged(device, b, backend)  # planned with none of them (SGLang's habit)
+    out, lse = w.forward_return_lse(b.q, b.cache, k_scale=0.5, v_scale=2.0, **settings)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(w.forward(b.q, b.cache, k_scale=0.5, v_scale=2.0, **settings), want_out)
+    ref, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                         k_scale=0.5, v_scale=2.0, **settings)
+    assert rel_err(out, ref) < tolerance(BF16)
+    check_lse(lse, ref_lse)
+    # the settings held for that call only: run() is the plan's again, and the variant was made once
+    assert torch.equal(w.run(b.q, b.cache), _paged(device, b, backend).run(b.q, b.cache))
+    w.forward(b.q, b.cache, **settings)
+    assert len(w._variants[1]) == 1  # one variant for one set of settings, however many calls
+    w.end_forward()
+
+
+def test_forward_defaults_are_flashinfers(device):
+    """forward(q, cache) means causal=False, no window, no soft cap, 1/sqrt(d), whatever plan() said: FlashInfer's
+    forward() sets them from its defaults."""
+    b = _batch(device)
+    causal = _paged(device, b, causal=True, sm_scale=0.3)
+    plain = _paged(device, b)
+    assert torch.equal(causal.forward(b.q, b.cache), plain.run(b.q, b.cache))
+    assert not torch.equal(causal.run(b.q, b.cache), plain.run(b.q, b.cache))
+
+
+def test_ragged_forward(device):
+    b = _batch(device)
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, "NHD")
+    k, v, kv_indptr = k.to(device), v.to(device), kv_indptr.to(torch.int32).to(device)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    planned = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="triton")
+    planned.plan(b.qo_indptr, kv_indptr, 8, 2, 64, causal=True, sm_scale=0.25, q_data_type=BF16)
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="triton")
+    w.begin_forward(b.qo_indptr, kv_indptr, 8, 2, 64, q_data_type=BF16)
+    out, lse = w.forward_return_lse(b.q, k, v, causal=True, sm_scale=0.25, use_fp16_qk_reduction=True)
+    want_out, want_lse = planned.run_return_lse(b.q, k, v)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+def test_decode_forward_settings(use_tensor_cores, device):
+    b = _batch(device, qo_lens=(1, 1, 1), kv_lens=(40, 0, 23))
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+
+    def wrapper(**plan_kw):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=use_tensor_cores, backend="triton")
+        w.begin_forward(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=BF16, **plan_kw)
+        return w
+
+    settings = dict(sm_scale=0.2, logits_soft_cap=6.0, window_left=11)
+    want_out, want_lse = wrapper(**settings).run_return_lse(b.q, b.cache, k_scale=0.5)
+    w = wrapper()
+    out, lse = w.forward_return_lse(b.q, b.cache, k_scale=0.5, **settings)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(w.forward(b.q, b.cache, k_scale=0.5, **settings), want_out)
+    assert torch.equal(w.run(b.q, b.cache), wrapper().run(b.q, b.cache))  # the plan's own settings again
+    w.end_forward()
+
+
+def test_forward_refusals(device):
+    b = _batch(device, qo_lens=(3, 0, 5), kv_lens=(40, 9, 4))  # request 2: 5 rows over 4 keys
+    w = _paged(device, b)
+    with pytest.raises(ValueError, match="causal=True with kv_len=4 < qo_len=5 for request 2"):
+        w.forward(b.q, b.cache, causal=True)
+    with pytest.raises(ValueError, match=r"sm_scale=-1\.0 must be a positive finite float"):
+        w.forward(b.q, b.cache, sm_scale=-1.0)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ALIBI'"):
+        w.forward(b.q, b.cache, pos_encoding_mode="ALIBI")
+    out = w.forward(b.q, b.cache)  # a refused forward() left the plan as it was
+    assert torch.equal(out, w.run(b.q, b.cache))
+    d = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                     backend="triton")
+    db = _batch(device, qo_lens=(1, 1, 1), kv_lens=(40, 9, 4))
+    d.plan(db.kv_indptr, db.kv_indices, db.last_page_len, 8, 2, 64, 16, q_data_type=BF16)
+    with pytest.raises(NotImplementedError, match="bandwidth kernel, which serves no RoPE; pass it to plan()"):
+        d.forward(db.q, db.cache, pos_encoding_mode="ROPE_LLAMA")
+    fresh = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="forward\\(\\) was called before plan\\(\\)"):
+        fresh.forward(b.q, b.cache)
+
+
+def test_run_keywords_of_later_flashinfers(device):
+    """enable_pdl accepted; window_left only as planned; lse_base / lse_layout as ours; others refused by name."""
+    b = _batch(device)
+    w = _paged(device, b, causal=True, window_left=6)
+    out = w.run(b.q, b.cache)
+    assert torch.equal(w.run(b.q, b.cache, enable_pdl=True, window_left=6, lse_base="log2", lse_layout="NH"), out)
+    with pytest.raises(ValueError, match="window_left=3 given to run\\(\\) differs from the plan's 6; pass it to "
+                                         "plan\\(\\)"):
+        w.run(b.q, b.cache, window_left=3)
+    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) lse_base, sinks are not served"):
+        w.run(b.q, b.cache, sinks=torch.zeros(8), lse_base="e")
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, "NHD")
+    r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                       backend="triton")
+    r.plan(b.qo_indptr, kv_indptr.to(torch.int32).to(device), 8, 2, 64, q_data_type=BF16)
+    r.run(b.q, k.to(device), v.to(device), enable_pdl=False)
+    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) o_scale are not served"):
+        r.run(b.q, k.to(device), v.to(device), o_scale=2.0)
+    db = _batch(device, qo_lens=(1, 1, 1), kv_lens=(40, 9, 4))
+    for tc in (False, True):
+        d = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                         use_tensor_cores=tc, backend="triton")
+        d.plan(db.kv_indptr, db.kv_indices, db.last_page_len, 8, 2, 64, 16, q_data_type=BF16)
+        assert torch.equal(d.run(db.q, db.cache, enable_pdl=True, window_left=-1), d.run(db.q, db.cache))
+        with pytest.raises(ValueError, match="window_left=5 given to run\\(\\) differs from the plan's -1"):
+            d.run(db.q, db.cache, window_left=5)
+        with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) skip_softmax_threshold_scale_factor"):
+            d.run(db.q, db.cache, skip_softmax_threshold_scale_factor=1.0)
