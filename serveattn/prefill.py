@@ -666,8 +666,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
              causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             o_data_type=None, non_blocking=True, seq_lens=None, **unsupported_kwargs):
+             o_data_type=None, non_blocking=True, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
+             **unsupported_kwargs):
+        """fixed_split_size / disable_split_kv (FlashInfer's, which vLLM passes for batch-invariant results): this
+        kernel never splits a request's KV, so its results never depend on the batch; both hold as asked."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        policy.check_split_size(self._entry + ".plan", fixed_split_size)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -750,8 +754,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
              rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-             **unsupported_kwargs):
+             fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
+        """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        policy.check_split_size(self._entry + ".plan", fixed_split_size)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
             last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
