@@ -269,9 +269,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
-        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or fixed_split_size < 1):
-            policy.refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per "
-                                 f"chunk).")
+        policy.check_split_size(entry, fixed_split_size)
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name
             kv_data_type = data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
@@ -290,7 +288,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-                                       q_len_per_req, tree)
+                                       q_len_per_req, tree, (fixed_split_size, disable_split_kv))
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -322,7 +320,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                               kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1,
-                              tree=None):
+                              tree=None, split=(None, False)):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
         tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
@@ -357,7 +355,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                            o_data_type=o_data_type, tree_mask=tree_mask)
+                            o_data_type=o_data_type, tree_mask=tree_mask, split=split)
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req

@@ -161,6 +161,12 @@ def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=
             refuse(entry, f"{name}={value!r} must be a positive finite float.")
 
 
+def check_split_size(entry: str, fixed_split_size) -> None:
+    if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool)
+                                         or fixed_split_size < 1):
+        refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk).")
+
+
 def check_backend(entry: str, backend: str) -> None:
     if backend not in BACKENDS:
         refuse(entry, f"backend={backend!r} is not a backend; supported: {', '.join(map(repr, BACKENDS))}.")

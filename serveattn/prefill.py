@@ -174,13 +174,16 @@ SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states a
 
 
 def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int,
-                num_items: int) -> Optional[int]:
+                num_items: int, fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
-    is long enough to cut, else None. SERVEATTN_PREFILL_SPLIT=0 turns splitting off; SERVEATTN_PREFILL_SPLIT_CHUNK=N
-    forces chunks of N tokens (tests, measuring)."""
+    is long enough to cut, else None. fixed_split_size: chunks of that many tokens whatever the batch;
+    disable_split_kv: none (plan()'s arguments). SERVEATTN_PREFILL_SPLIT=0 turns splitting off;
+    SERVEATTN_PREFILL_SPLIT_CHUNK=N forces chunks of N tokens (tests, measuring)."""
+    if disable_split_kv:
+        return None
     programs = num_items * num_kv_heads
     target = SPLIT_PROGRAMS_PER_SM * num_sms
-    forced = knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
+    forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
     if num_items == 0 or (programs >= target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
@@ -257,7 +260,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
               graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None,
-              held: Optional[routing.Decision] = None, workspace_bytes: int = 0) -> Plan:
+              held: Optional[routing.Decision] = None, workspace_bytes: int = 0,
+              split: tuple = (None, False)) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
@@ -265,7 +269,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
-    workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit."""
+    workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit.
+    split: (fixed_split_size, disable_split_kv) as plan() took them."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -362,7 +367,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         # fit workspace_bytes. Under CUDA graphs only for decode's tensor-core route (graph_max_qo set): its every
         # plan keeps split items (split or not: the captured kernel is the split one)
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_max_qo is not None)
-        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n) if items else None
+        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split) \
+            if items else None
         if chunk is not None and 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) > \
                 workspace_bytes:
             chunk = None  # the partial states would not fit: unsplit
@@ -818,18 +824,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
              causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             o_data_type=None, non_blocking=True, seq_lens=None, **unsupported_kwargs):
+             o_data_type=None, non_blocking=True, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
+             **unsupported_kwargs):
+        """fixed_split_size / disable_split_kv (FlashInfer's, which vLLM passes for batch-invariant results): chunks
+        of that many KV tokens for every longer request, or no split-KV (split_chunk)."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        policy.check_split_size(self._entry + ".plan", fixed_split_size)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-                         q_data_type, kv_data_type, o_data_type)
+                         q_data_type, kv_data_type, o_data_type, split=(fixed_split_size, disable_split_kv))
 
     def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
                     packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
                     logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
-                    kv_data_type=None, o_data_type=None, tree_mask=None):
+                    kv_data_type=None, o_data_type=None, tree_mask=None, split=(None, False)):
         plan = make_plan(
             self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
             kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
@@ -840,7 +850,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held,
-            workspace_bytes=self._split_bytes())
+            workspace_bytes=self._split_bytes(), split=split)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
@@ -903,8 +913,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
              rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-             **unsupported_kwargs):
+             fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
+        """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        policy.check_split_size(self._entry + ".plan", fixed_split_size)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
             last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -913,7 +925,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, held=self._held, workspace_bytes=self._split_bytes())
+            graph_max_qo=self._graph_max_qo, held=self._held, workspace_bytes=self._split_bytes(),
+            split=(fixed_split_size, disable_split_kv))
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,

@@ -145,3 +145,17 @@ def test_run_keywords_of_later_flashinfers(device):
             d.run(db.q, db.cache, window_left=5)
         with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) skip_softmax_threshold_scale_factor"):
             d.run(db.q, db.cache, skip_softmax_threshold_scale_factor=1.0)
+
+
+def test_prefill_plan_takes_flashinfers_split_arguments(device):
+    """vLLM passes fixed_split_size / disable_split_kv to prefill plans too (batch-invariant results): taken, and
+    a fixed_split_size that is not a positive int refused as decode's plan() refuses it."""
+    b = _batch(device)
+    want = _paged(device, b).run(b.q, b.cache)
+    for kw in (dict(disable_split_kv=True), dict(fixed_split_size=64), dict(fixed_split_size=None)):
+        assert torch.equal(_paged(device, b, **kw).run(b.q, b.cache), want)
+    with pytest.raises(ValueError, match="fixed_split_size=0 must be a positive int"):
+        _paged(device, b, fixed_split_size=0)
+    r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="fixed_split_size=True must be a positive int"):
+        r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, q_data_type=BF16, fixed_split_size=True)

@@ -316,3 +316,19 @@ def test_split_under_a_captured_graph(mode):
         assert not torch.isnan(out[:n]).any()
         assert rel_err(out[:n], e_out) < tolerance(torch.bfloat16), kv_lens
         check_lse(lse[:n], e_lse)
+
+
+def test_flashinfers_split_arguments(device):
+    """plan(fixed_split_size=N) cuts every request longer than N keys whatever the batch; disable_split_kv=True
+    forbids splitting (the decode wrapper's tensor-core route passes both on)."""
+    gen = torch.Generator().manual_seed(23)
+    b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "causal")
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+           q_data_type=torch.bfloat16, fixed_split_size=100)  # rounded up to the block: 128
+    assert w._plan.num_merge == 1 + 3 and w._plan.split_rows == 3 + 3 * 2
+    d = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+    for kw, split in ((dict(fixed_split_size=64), True), (dict(disable_split_kv=True), False)):
+        d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+        assert (d._prefill._plan.num_merge > 0) == split, kw
