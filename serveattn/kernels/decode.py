@@ -61,6 +61,22 @@ ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
 
 
 @triton.jit
+def _first_item(at):
+    """The work item at `at`: (request, kv_lo, kv_hi, slot, KV start, KV length, first slot, slots)."""
+    return (tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3), tl.load(at + 4), tl.load(at + 5),
+            tl.load(at + 6), tl.load(at + 7))
+
+
+@triton.jit
+def _item(at, later, fallback):
+    """The work item at `at` where `later`, else `fallback` (the program's first item, read before the loop)."""
+    return (tl.load(at, mask=later, other=fallback[0]), tl.load(at + 1, mask=later, other=fallback[1]),
+            tl.load(at + 2, mask=later, other=fallback[2]), tl.load(at + 3, mask=later, other=fallback[3]),
+            tl.load(at + 4, mask=later, other=fallback[4]), tl.load(at + 5, mask=later, other=fallback[5]),
+            tl.load(at + 6, mask=later, other=fallback[6]), tl.load(at + 7, mask=later, other=fallback[7]))
+
+
+@triton.jit
 def decode_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -88,31 +104,16 @@ def decode_kernel(
     # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
     # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
     w0 = tl.program_id(1)
-    first = w0 * ITEM
-    req0 = tl.load(work + first)
-    lo0 = tl.load(work + first + 1)
-    hi0 = tl.load(work + first + 2)
-    slot0 = tl.load(work + first + 3)
-    kv_base0 = tl.load(work + first + 4)
-    kv_len0 = tl.load(work + first + 5)
-    first_slot0 = tl.load(work + first + 6)
-    num_slots0 = tl.load(work + first + 7)
+    item0 = _first_item(work + w0 * ITEM)
     num_work = tl.load(num_work_ptr)
     traced = kvh + w0 * (NUM_QO_HEADS // GROUP)  # TRACE: this program's row of stamps
     _stamp(LSE, traced, 0, kvh, _GLOBALTIMER)
     _stamp(LSE, traced, 1, kvh, _CLOCK)
-    _stamp(LSE, traced, 2, req0 + num_work + kv_base0, _CLOCK)
+    _stamp(LSE, traced, 2, item0[0] + num_work + item0[4], _CLOCK)
     for w in range(w0, num_work, tl.num_programs(1)):
-        later = w != w0  # a later item (a grid smaller than the work list): read now
-        at = w * ITEM
-        req = tl.load(work + at, mask=later, other=req0)
-        lo = tl.load(work + at + 1, mask=later, other=lo0)
-        hi = tl.load(work + at + 2, mask=later, other=hi0)
-        slot = tl.load(work + at + 3, mask=later, other=slot0)  # -1: the request is not split, write the output
-        kv_base = tl.load(work + at + 4, mask=later, other=kv_base0)  # its first page (or token)
-        kv_len = tl.load(work + at + 5, mask=later, other=kv_len0)
-        first_slot = tl.load(work + at + 6, mask=later, other=first_slot0)
-        num_slots = tl.load(work + at + 7, mask=later, other=num_slots0)
+        # a later item (a grid smaller than the work list) is read now; slot -1: the request is not split (write
+        # the output); kv_base: its first page (or token)
+        req, lo, hi, slot, kv_base, kv_len, first_slot, num_slots = _item(work + w * ITEM, w != w0, item0)
         hi = tl.minimum(hi, kv_len)
         delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
         if HAS_WINDOW:
