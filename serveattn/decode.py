@@ -9,7 +9,6 @@ with one query row per request.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -26,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
-from .prefill import _cache_views, _pair_views, _plain_run, _run_extras
+from .prefill import Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -216,7 +215,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # under CUDA graphs the batch capacity, which fixes the tiles from capture on (read once: a torch call)
         self._graph_cap = paged_kv_last_page_len_buffer.numel() if use_cuda_graph else None
         self._plan: Optional[DecodePlan] = None
-        self._variants = None  # (plan, {forward()'s settings: the plan with them}), see _overridden
+        self._variants = Variants()  # the plan under forward()'s settings
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
@@ -499,33 +498,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def end_forward(self) -> None:
         """FlashInfer's deprecated end_forward(): nothing to release."""
 
-    @contextlib.contextmanager
     def _overridden(self, entry, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta):
-        """The bandwidth route's plan with forward()'s settings for one call (made once per distinct set)."""
-        plan = self._plan
-        if plan is None:
-            policy.refuse(entry, "forward() was called before plan().")
+        """The bandwidth route's plan with forward()'s settings, for one call."""
         key = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-        if self._variants is None or self._variants[0] is not plan:
-            self._variants = (plan, {})
-        variant = self._variants[1].get(key)
-        if variant is None:
-            policy.check_pos_encoding(entry, pos_encoding_mode)
-            policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                 rope_scale=rope_scale, rope_theta=rope_theta)
-            if pos_encoding_mode != "NONE":
-                policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} at forward() on a plan of the "
-                                          f"bandwidth kernel, which serves no RoPE; pass it to plan(), which takes "
-                                          f"the tensor-core route for it.")
-            fields = dict(window_left=window_left, soft_cap=float(logits_soft_cap or 0.0),
-                          sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim))
-            variant = plan if all(getattr(plan, k) == v for k, v in fields.items()) else replace(plan, **fields)
-            self._variants[1][key] = variant
-        self._plan = variant
-        try:
-            yield
-        finally:
-            self._plan = plan
+        return self._variants.applied(self, entry, key, lambda plan: _plan_with(entry, plan, *key))
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -537,6 +513,21 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         super().__init__(workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
                          paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
                          paged_kv_last_page_len_buffer=last_page_len_buffer)
+
+
+def _plan_with(entry, plan: DecodePlan, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+               rope_theta) -> DecodePlan:
+    """plan with forward()'s settings, checked as plan() checks them; plan itself where they are its own."""
+    policy.check_pos_encoding(entry, pos_encoding_mode)
+    policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                         rope_scale=rope_scale, rope_theta=rope_theta)
+    if pos_encoding_mode != "NONE":
+        policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} at forward() on a plan of the bandwidth "
+                                  f"kernel, which serves no RoPE; pass it to plan(), which takes the tensor-core "
+                                  f"route for it.")
+    fields = dict(window_left=window_left, soft_cap=float(logits_soft_cap or 0.0),
+                  sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim))
+    return plan if all(getattr(plan, k) == v for k, v in fields.items()) else replace(plan, **fields)
 
 
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,

@@ -566,6 +566,32 @@ def transposed_v(plan: Plan, use_cuda_graph: bool) -> Plan:
     return replace(plan, vt_work=work.to(torch.int32), kv_tok_indptr=cols.to(torch.int32), vt_tokens=int(cols[-1]))
 
 
+class Variants:
+    """A wrapper's plan under the settings FlashInfer's deprecated forward() takes (it sets them before its run()):
+    made once per distinct set while the plan holds, and the wrapper's plan for one call."""
+    __slots__ = ("plan", "made")
+
+    def __init__(self):
+        self.plan, self.made = None, {}
+
+    @contextlib.contextmanager
+    def applied(self, wrapper, entry: str, key: tuple, make):
+        plan = wrapper._plan
+        if plan is None:
+            policy.refuse(entry, "forward() was called before plan().")
+        if self.plan is not plan:
+            self.plan, self.made = plan, {}
+        variant = self.made.get(key)
+        if variant is None:
+            variant = self.made[key] = make(plan)
+        wrapper._plan = variant
+        try:
+            yield
+        finally:
+            if wrapper._plan is variant:  # (a cuDNN failure inside the call replaces the plan: that one stays)
+                wrapper._plan = plan
+
+
 class _PrefillWrapper:
     _entry = "BatchPrefill"
 
@@ -590,7 +616,7 @@ class _PrefillWrapper:
             if float_workspace_buffer.is_contiguous() else 0
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
-        self._variants = None  # (plan, {forward()'s settings: the plan with them}), see _overridden
+        self._variants = Variants()  # the plan under forward()'s settings
         self.backend = None
         self.backend_fallback_reason = None
 
@@ -777,27 +803,12 @@ class _PrefillWrapper:
             return 2
         return -(-4 * policy.cuda_properties(plan.device)[1] // plan.num_qo_heads)
 
-    @contextlib.contextmanager
     def _overridden(self, entry, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                     rope_theta):
-        """FlashInfer's deprecated forward() sets causal, the positional encoding, window, soft cap and scales
-        (its defaults included) before its run(): here the current plan with those values runs the call, made once
-        per distinct set and checked as plan() checks them (a custom mask still overrides causal)."""
-        plan = self._plan
-        if plan is None:
-            policy.refuse(entry, "forward() was called before plan().")
+        """The current plan with forward()'s causal mode, positional encoding, window, soft cap and scales, for one
+        call (checked as plan() checks them; a custom mask still overrides causal)."""
         key = (bool(causal), pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-        if self._variants is None or self._variants[0] is not plan:
-            self._variants = (plan, {})
-        variant = self._variants[1].get(key)
-        if variant is None:
-            variant = self._variants[1][key] = _plan_with(entry, plan, *key)
-        self._plan = variant
-        try:
-            yield
-        finally:
-            if self._plan is variant:  # (a cuDNN failure inside the call replaces the plan: keep the original)
-                self._plan = plan
+        return self._variants.applied(self, entry, key, lambda plan: _plan_with(entry, plan, *key))
 
     def end_forward(self) -> None:
         """FlashInfer's deprecated end_forward(): nothing to release."""

@@ -47,7 +47,7 @@ def test_paged_forward_settings_equal_a_plan_with_them(settings, backend, device
     # the settings held for that call only: run() is the plan's again, and the variant was made once
     assert torch.equal(w.run(b.q, b.cache), _paged(device, b, backend).run(b.q, b.cache))
     w.forward(b.q, b.cache, **settings)
-    assert len(w._variants[1]) == 1  # one variant for one set of settings, however many calls
+    assert len(w._variants.made) == 1  # one variant for one set of settings, however many calls
     w.end_forward()
 
 
