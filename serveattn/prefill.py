@@ -813,6 +813,32 @@ class _PrefillWrapper:
     def end_forward(self) -> None:
         """FlashInfer's deprecated end_forward(): nothing to release."""
 
+    def _lse_as(self, entry, lse_base, lse_layout, return_lse, lse, call):
+        """FlashInfer's lse_base / lse_layout: the base-2 [rows, heads] LSE the kernels write, returned as natural
+        log ("ln") and / or [heads, rows] ("HN", a contiguous copy, into the caller's lse of that layout where
+        given). call(lse) runs the call with our own layout's buffer."""
+        if lse_base not in ("log2", "ln"):
+            policy.refuse(entry, f"lse_base={lse_base!r} must be 'log2' (the default) or 'ln'.")
+        if lse_layout not in ("NH", "HN"):
+            policy.refuse(entry, f"lse_layout={lse_layout!r} must be 'NH' (the default) or 'HN'.")
+        plan = self._plan
+        if not return_lse or plan is None:
+            return call(lse if lse_layout == "NH" else None)
+        if lse_layout == "NH":
+            out, nh = call(lse)
+            return out, nh.mul_(LN2)
+        if lse is not None:
+            policy.check_tensor(entry, "lse", lse, (plan.num_qo_heads, plan.total_q), torch.float32, plan.device)
+            if not lse.is_contiguous():
+                policy.refuse(entry, "lse for lse_layout='HN' must be contiguous.")
+        out, nh = call(None)
+        hn = lse if lse is not None else torch.empty(nh.t().shape, dtype=torch.float32, device=nh.device)
+        if lse_base == "ln":
+            torch.mul(nh.t(), LN2, out=hn)
+        else:
+            hn.copy_(nh.t())
+        return out, hn
+
     # FlashInfer's deprecated forward() / forward_return_lse() are defined per wrapper: their arguments differ
 
 
@@ -865,10 +891,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
-            out=None, lse=None, return_lse=False, enable_pdl=None, window_left=None, **unsupported_kwargs):
+            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None,
+            **unsupported_kwargs):
         """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
-        plan's (as FlashInfer's kernels assert)."""
+        plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as."""
         entry = self._entry + ".run"
+        if lse_base != "log2" or lse_layout != "NH":
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+                q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k,
+                scale_v=scale_v, out=out, lse=nh, return_lse=return_lse, window_left=window_left,
+                **unsupported_kwargs))
         if unsupported_kwargs or window_left is not None:
             _run_extras(entry, self._plan, window_left, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
@@ -941,9 +973,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
-            lse=None, return_lse=False, enable_pdl=None, **unsupported_kwargs):
-        """enable_pdl (FlashInfer's launch hint) is accepted and not needed."""
+            lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; lse_base / lse_layout: _lse_as."""
         entry = self._entry + ".run"
+        if lse_base != "log2" or lse_layout != "NH":
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+                q, k, v, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
+                out=out, lse=nh, return_lse=return_lse, **unsupported_kwargs))
         if unsupported_kwargs:
             _run_extras(entry, self._plan, None, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
@@ -975,6 +1011,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
 
 
+LN2 = math.log(2.0)
+
+
 def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                rope_theta) -> Plan:
     """plan with forward()'s settings (_PrefillWrapper._overridden), checked as make_plan checks them; plan itself
@@ -1001,11 +1040,8 @@ def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, l
 
 def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
     """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs."""
-    if kwargs.get("lse_base", "log2") == "log2" and kwargs.get("lse_layout", "NH") == "NH":
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("lse_base", "lse_layout")}  # our LSE already
     if kwargs:
-        policy.unsupported(entry, f"run() argument(s) {', '.join(sorted(kwargs))} are not served (the LSE is base 2 "
-                                  f"in [rows, heads]: lse_base='log2', lse_layout='NH').")
+        policy.unsupported(entry, f"run() argument(s) {', '.join(sorted(kwargs))} are not served.")
     if window_left is not None and plan is not None and window_left != plan.window_left:
         policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's "
                              f"{plan.window_left}; pass it to plan().")

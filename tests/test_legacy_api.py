@@ -126,8 +126,8 @@ def test_run_keywords_of_later_flashinfers(device):
     with pytest.raises(ValueError, match="window_left=3 given to run\\(\\) differs from the plan's 6; pass it to "
                                          "plan\\(\\)"):
         w.run(b.q, b.cache, window_left=3)
-    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) lse_base, sinks are not served"):
-        w.run(b.q, b.cache, sinks=torch.zeros(8), lse_base="e")
+    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) sinks are not served"):
+        w.run(b.q, b.cache, sinks=torch.zeros(8))
     k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, "NHD")
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
                                                        backend="triton")
@@ -159,3 +159,26 @@ def test_prefill_plan_takes_flashinfers_split_arguments(device):
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
     with pytest.raises(ValueError, match="fixed_split_size=True must be a positive int"):
         r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, q_data_type=BF16, fixed_split_size=True)
+
+
+def test_lse_base_and_layout(device):
+    """FlashInfer's lse_base="ln" (natural log) and lse_layout="HN" ([heads, rows], contiguous), into the caller's
+    lse of that layout where given; other values refused."""
+    import math
+    b = _batch(device)
+    w = _paged(device, b, causal=True)
+    out, lse2 = w.run(b.q, b.cache, return_lse=True)
+    o, ln = w.run(b.q, b.cache, return_lse=True, lse_base="ln")
+    assert torch.equal(o, out) and torch.equal(ln, lse2 * math.log(2.0))
+    o, hn = w.run(b.q, b.cache, return_lse=True, lse_layout="HN")
+    assert hn.shape == (8, lse2.shape[0]) and hn.is_contiguous() and torch.equal(hn, lse2.t())
+    mine = torch.full((8, lse2.shape[0]), float("nan"), device=device)
+    o, hn = w.run_return_lse(b.q, b.cache, lse=mine, lse_base="ln", lse_layout="HN")
+    assert hn is mine and torch.equal(mine, (lse2 * math.log(2.0)).t())
+    assert torch.equal(w.run(b.q, b.cache, lse_layout="HN"), out)  # nothing returned: the output alone
+    with pytest.raises(ValueError, match="lse_base='e' must be 'log2' \\(the default\\) or 'ln'"):
+        w.run(b.q, b.cache, return_lse=True, lse_base="e")
+    with pytest.raises(ValueError, match="lse_layout='HND' must be 'NH'"):
+        w.run(b.q, b.cache, return_lse=True, lse_layout="HND")
+    with pytest.raises(ValueError, match="lse"):  # not [heads, rows]
+        w.run(b.q, b.cache, return_lse=True, lse=torch.empty(3, 5, device=device), lse_layout="HN")
