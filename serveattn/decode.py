@@ -240,7 +240,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
              q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
         """FlashInfer's decode plan, plus speculative verify: q_len_per_req=k (chain: k rows per request, the
@@ -251,6 +251,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False, or auto's
         choice over the hint)."""
         entry = self._entry + ".plan"
+        if positional_rest:  # FlashInfer's releases order these differently (0.7 put o_data_type before data_type)
+            policy.refuse(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by position; pass "
+                                 f"those after kv_data_type by keyword (their order differs between FlashInfer "
+                                 f"releases).")
         if unsupported_kwargs:
             policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:

@@ -861,11 +861,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
              causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
-             o_data_type=None, non_blocking=True, seq_lens=None, fixed_split_size=None, disable_split_kv=False,
-             **unsupported_kwargs):
+             o_data_type=None, non_blocking=True, *positional_rest, seq_lens=None, fixed_split_size=None,
+             disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv (FlashInfer's, which vLLM passes for batch-invariant results): chunks
         of that many KV tokens for every longer request, or no split-KV (split_chunk)."""
-        _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
         policy.check_split_size(self._entry + ".plan", fixed_split_size)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
@@ -956,9 +956,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
              rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
-             fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
+             *positional_rest, fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
-        _refuse_extra(self._entry + ".plan", unsupported_kwargs)
+        _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
         policy.check_split_size(self._entry + ".plan", fixed_split_size)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
@@ -1047,7 +1047,10 @@ def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
                              f"{plan.window_left}; pass it to plan().")
 
 
-def _refuse_extra(entry: str, kwargs: dict) -> None:
+def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None:
+    if positional_rest:  # FlashInfer's later arguments (prefix_len_ptr, ...) in this place are not ours
+        policy.refuse(entry, f"plan() got {len(positional_rest)} arguments after non_blocking by position; pass them "
+                             f"by keyword.")
     if kwargs:
         policy.unsupported(entry, f"argument(s) {', '.join(sorted(kwargs))} are not served.")
 

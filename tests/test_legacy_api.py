@@ -182,3 +182,20 @@ def test_lse_base_and_layout(device):
         w.run(b.q, b.cache, return_lse=True, lse_layout="HND")
     with pytest.raises(ValueError, match="lse"):  # not [heads, rows]
         w.run(b.q, b.cache, return_lse=True, lse=torch.empty(3, 5, device=device), lse_layout="HN")
+
+
+def test_optional_plan_arguments_by_position(device):
+    """The first optional arguments bind by position as in FlashInfer; past the point where FlashInfer's releases
+    disagree on the order (decode: after kv_data_type, 0.7 put o_data_type before data_type) they must come by
+    keyword: refused, never bound to the wrong name."""
+    b = _batch(device, qo_lens=(1, 1, 1), kv_lens=(40, 9, 4))
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    d = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+    d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16)
+    with pytest.raises(ValueError, match="plan\\(\\) got 6 arguments after page_size by position; pass those after "
+                                         "kv_data_type by keyword"):
+        d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16, BF16)
+    p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    with pytest.raises(ValueError, match="plan\\(\\) got 1 arguments after non_blocking by position"):
+        p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, None, None, None, False,
+               "NONE", False, None, -1, None, None, None, BF16, None, None, True, None)
