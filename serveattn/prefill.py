@@ -1083,12 +1083,18 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
                        return_lse=return_lse)
 
 
-def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None, causal=False, kv_layout="NHD",
-                                 pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
+def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, packed_custom_mask=None, causal=False,
+                                 kv_layout="NHD", pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
                                  window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
                                  backend="auto", return_lse=False, k_scale=None, v_scale=None, scale_q=None,
                                  scale_k=None, scale_v=None, o_dtype=None):
-    """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND)."""
+    """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND). The
+    arguments after v come by keyword: FlashInfer 0.7 put scale_q, scale_k, scale_v, o_dtype where 0.2 had
+    custom_mask, packed_custom_mask, causal."""
+    if positional_rest:
+        policy.refuse("single_prefill_with_kv_cache", f"got {len(positional_rest)} arguments after v by position; "
+                                                      f"pass them by keyword (their order differs between "
+                                                      f"FlashInfer releases).")
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
                            v_scale, "single_prefill_with_kv_cache", o_dtype, (scale_q, scale_k, scale_v))

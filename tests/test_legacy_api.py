@@ -199,3 +199,8 @@ def test_optional_plan_arguments_by_position(device):
     with pytest.raises(ValueError, match="plan\\(\\) got 1 arguments after non_blocking by position"):
         p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, None, None, None, False,
                "NONE", False, None, -1, None, None, None, BF16, None, None, True, None)
+    q = torch.randn(4, 8, 64).to(BF16).to(device)
+    kv = torch.randn(9, 2, 64).to(BF16).to(device)
+    with pytest.raises(ValueError, match="single_prefill_with_kv_cache: got 1 arguments after v by position; pass "
+                                         "them by keyword"):
+        serveattn.single_prefill_with_kv_cache(q, kv, kv, None)
