@@ -332,3 +332,24 @@ def test_flashinfers_split_arguments(device):
     for kw, split in ((dict(fixed_split_size=64), True), (dict(disable_split_kv=True), False)):
         d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
         assert (d._prefill._plan.num_merge > 0) == split, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_split_fp8_cache_real_size(enc):
+    """decode's tensor-core route at 1 x 8192 (split) over an fp8 cache: bitwise the same call on the dequantized
+    cache (API.md), bitwise repeatable."""
+    gen = torch.Generator().manual_seed(zlib.crc32(str(enc).encode()))
+    b = make_paged_batch(gen, qo_lens=[1], kv_lens=[8192], num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                         page_size=16, dtype=torch.bfloat16, device="cuda")
+    cache8 = (b.cache.float() * 0.25).to(enc)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    runs = []
+    for cache, kv_dtype in ((cache8, enc), (cache8, enc), (cache8.to(torch.bfloat16), torch.bfloat16)):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16,
+               kv_data_type=kv_dtype)
+        assert w._prefill._plan.num_merge > 0
+        runs.append(w.run(b.q, cache, return_lse=True, k_scale=0.7, v_scale=1.5))
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
