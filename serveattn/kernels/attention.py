@@ -396,7 +396,8 @@ def split_merge_kernel(PART_O, PART_LSE, O, LSE, merge_rows, stride_ot, stride_o
             m = m_new
         empty = total == 0.0
         out = acc / tl.where(empty, 1.0, total)
-        tl.store(O + row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh + d, to_dtype(out, O.dtype.element_ty))
+        o_row = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        tl.store(O + o_row + d, to_dtype(out, O.dtype.element_ty))
         if RETURN_LSE:
             tl.store(LSE + row.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh,
                      tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total))))
