@@ -173,8 +173,8 @@ SPLIT_PROGRAMS_PER_SM = 2  # split while (work items x KV heads) is under this m
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
 
 
-def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int,
-                num_items: int, fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> Optional[int]:
+def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int, num_items: int,
+                fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
     is long enough to cut, else None. fixed_split_size: chunks of that many tokens whatever the batch;
     disable_split_kv: none (plan()'s arguments). SERVEATTN_PREFILL_SPLIT=0 turns splitting off;
