@@ -492,8 +492,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         here for this call). The bandwidth kernel serves no RoPE: plan with it (the tensor-core route)."""
         entry = self._entry + ".forward"
         settings = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-        with (self._prefill._overridden(entry, self._prefill._plan is not None and self._prefill._plan.causal,
-                                        *settings) if self._prefill is not None else self._overridden(entry, *settings)):
+        inner = self._prefill  # the tensor-core / torch route: its plan's causal mode (chains, trees) holds
+        applied = inner._overridden(entry, inner._plan is not None and inner._plan.causal, *settings) \
+            if inner is not None else self._overridden(entry, *settings)
+        with applied:
             return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                             return_lse=return_lse)
 
