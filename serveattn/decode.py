@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
-from .prefill import Variants, _cache_views, _pair_views, _plain_run, _run_extras
+from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -215,7 +215,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # under CUDA graphs the batch capacity, which fixes the tiles from capture on (read once: a torch call)
         self._graph_cap = paged_kv_last_page_len_buffer.numel() if use_cuda_graph else None
         self._plan: Optional[DecodePlan] = None
-        self._variants = Variants()  # the plan under forward()'s settings
+        self._variants = _Variants()  # the plan under forward()'s settings
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)

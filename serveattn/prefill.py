@@ -566,7 +566,7 @@ def transposed_v(plan: Plan, use_cuda_graph: bool) -> Plan:
     return replace(plan, vt_work=work.to(torch.int32), kv_tok_indptr=cols.to(torch.int32), vt_tokens=int(cols[-1]))
 
 
-class Variants:
+class _Variants:
     """A wrapper's plan under the settings FlashInfer's deprecated forward() takes (it sets them before its run()):
     made once per distinct set while the plan holds, and the wrapper's plan for one call."""
     __slots__ = ("plan", "made")
@@ -616,7 +616,7 @@ class _PrefillWrapper:
             if float_workspace_buffer.is_contiguous() else 0
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
-        self._variants = Variants()  # the plan under forward()'s settings
+        self._variants = _Variants()  # the plan under forward()'s settings
         self.backend = None
         self.backend_fallback_reason = None
 

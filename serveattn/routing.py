@@ -561,17 +561,22 @@ def cudnn_slower(req: Request) -> Optional[str]:
     return None
 
 
-def decode_tensor_cores(req: Request) -> Tuple[bool, str]:
-    """For a request the bandwidth kernel can serve: (take the tensor-core route?, the declined route's reason)."""
+def decode_tensor_cores(req: Request) -> Tuple[bool, Optional[str]]:
+    """For a request the bandwidth kernel can serve: (take the tensor-core route?, the declined route's reason).
+    use_tensor_cores=True is FlashInfer's speed hint: taken where the table has no measurement for the request's
+    kind (no reason then), overruled where it measured the bandwidth kernel (tensor cores too, over the group's
+    query heads, with split-KV) faster."""
     table = table_for(req.arch)
-    if table is None:
-        return False, unmeasured_arch(TENSOR_CORE)
     key = (dtype_name(req.kv_dtype), req.head_dim, req.group)
-    if key not in table.decode_tc_min_programs_per_sm:
-        return False, tensor_core_unmeasured(table.decode_table)
+    if table is None or key not in table.decode_tc_min_programs_per_sm:
+        if req.use_tensor_cores:
+            return True, None
+        return False, unmeasured_arch(TENSOR_CORE) if table is None else tensor_core_unmeasured(table.decode_table)
     threshold = table.decode_tc_min_programs_per_sm[key]
     if threshold is not None and req.programs_per_sm >= threshold:
         return True, bandwidth_above_crossover(threshold, table.decode_table)
+    if req.use_tensor_cores:
+        return False, tensor_core_hint_overruled(table.decode_table)
     return False, tensor_core_below_crossover(threshold, table.decode_table)
 
 
@@ -696,15 +701,7 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
     if why_bandwidth is not None:
         return _auto_done(device, Decision(TRITON, TENSOR_CORE, (why_bandwidth,)))
     take_tc, why = decode_tensor_cores(req)
-    if req.use_tensor_cores and not take_tc:
-        # use_tensor_cores=True is FlashInfer's speed hint: where the table measured the bandwidth kernel (tensor
-        # cores too, over the group's query heads, with split-KV) faster, it holds; unmeasured, the hint is taken
-        table = table_for(req.arch)
-        if table is None or (dtype_name(req.kv_dtype), req.head_dim, req.group) not in \
-                table.decode_tc_min_programs_per_sm:
-            return Decision(TRITON, TENSOR_CORE)
-        why = tensor_core_hint_overruled(table.decode_table)
-    return _auto_done(device, Decision(TRITON, TENSOR_CORE if take_tc else BANDWIDTH, (why,)))
+    return _auto_done(device, Decision(TRITON, TENSOR_CORE if take_tc else BANDWIDTH, (why,) if why else ()))
 
 
 def _forced_decode(entry: str, route: str, req: Request) -> Decision:
