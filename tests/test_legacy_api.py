@@ -204,3 +204,18 @@ def test_optional_plan_arguments_by_position(device):
     with pytest.raises(ValueError, match="single_prefill_with_kv_cache: got 1 arguments after v by position; pass "
                                          "them by keyword"):
         serveattn.single_prefill_with_kv_cache(q, kv, kv, None)
+
+
+def test_remaining_refusals(device):
+    """The ragged plan()'s positional limit and a non-contiguous lse for lse_layout='HN'."""
+    b = _batch(device)
+    r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
+    with pytest.raises(ValueError, match="plan\\(\\) got 1 arguments after non_blocking by position; pass them by "
+                                         "keyword"):
+        r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, None, None, None, False, "NONE", False, -1, None, None, None,
+               None, BF16, None, None, True, 64)
+    w = _paged(device, b)
+    rows = int(b.qo_indptr[-1])
+    strided = torch.empty(8, 2 * rows, device=device)[:, :rows]  # [heads, rows] inside a wider buffer
+    with pytest.raises(ValueError, match="lse for lse_layout='HN' must be contiguous"):
+        w.run(b.q, b.cache, lse=strided, return_lse=True, lse_layout="HN")
