@@ -353,6 +353,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                           backend=route, **kw)
             wrapper._entry = self._entry
             wrapper._graph_max_qo = max_rows
+            wrapper._graph_split_kv = True  # under CUDA graphs: few long requests split as eager plans do
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
         wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,

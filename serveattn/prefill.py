@@ -259,15 +259,16 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
-              graph_max_qo: Optional[int] = None, tree_mask: Optional[torch.Tensor] = None,
-              held: Optional[routing.Decision] = None, workspace_bytes: int = 0,
-              split: tuple = (None, False)) -> Plan:
+              graph_max_qo: Optional[int] = None, graph_split_kv: bool = False,
+              tree_mask: Optional[torch.Tensor] = None, held: Optional[routing.Decision] = None,
+              workspace_bytes: int = 0, split: tuple = (None, False)) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
     request, valid by construction).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
+    graph_split_kv: under use_cuda_graph=True, every plan takes split-KV's items (decode's tensor-core route).
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
     workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit.
     split: (fixed_split_size, disable_split_kv) as plan() took them."""
@@ -364,9 +365,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
-        # fit workspace_bytes. Under CUDA graphs only for decode's tensor-core route (graph_max_qo set): its every
-        # plan keeps split items (split or not: the captured kernel is the split one)
-        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_max_qo is not None)
+        # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
+        # split items (split or not: the captured kernel is the split one)
+        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split) \
             if items else None
         if chunk is not None and 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) > \
@@ -611,6 +612,9 @@ class _PrefillWrapper:
         self._graph_signature = None
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
+        # under use_cuda_graph=True: split-KV items in every plan, the work list in the workspace's first quarter and
+        # the partial states after it (decode's tensor-core route, whose batches may be few long requests)
+        self._graph_split_kv = False
         self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
         self._workspace_bytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size() \
             if float_workspace_buffer.is_contiguous() else 0
@@ -626,10 +630,11 @@ class _PrefillWrapper:
 
     def _split_bytes(self) -> int:
         """What split-KV's partial states may take of the workspace (where it is contiguous): all of it outside CUDA
-        graphs; under them, for decode's tensor-core route, what follows the work list's quarter (_graph_split)."""
+        graphs; under them, where the wrapper splits (_graph_split_kv), what follows the work list's quarter
+        (_graph_split)."""
         if not self._use_cuda_graph or not self._workspace_bytes:
             return self._workspace_bytes
-        return 0 if self._graph_max_qo is None else self._workspace_bytes - _graph_split(self._workspace)
+        return self._workspace_bytes - _graph_split(self._workspace) if self._graph_split_kv else 0
 
     def _commit(self, plan: Plan) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
@@ -698,7 +703,7 @@ class _PrefillWrapper:
         if ws.dtype != torch.uint8 or not ws.is_contiguous() or ws.numel() < 64:
             policy.refuse(entry, f"under use_cuda_graph=True float_workspace_buffer must be a contiguous uint8 "
                                  f"tensor of at least 64 bytes (got {ws.dtype}, {ws.numel()} elements).")
-        ints = ws[: (_graph_split(ws) if self._graph_max_qo is not None else ws.numel()) // 4 * 4].view(torch.int32)
+        ints = ws[: (_graph_split(ws) if self._graph_split_kv else ws.numel()) // 4 * 4].view(torch.int32)
         bufs = {"num_work": ints[:1], "work": ints[1:]}
         for name in _ARRAYS[2:]:
             given, t = self._caller_bufs.get(name), getattr(plan, name)
@@ -886,7 +891,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held,
+            graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, tree_mask=tree_mask, held=self._held,
             workspace_bytes=self._split_bytes(), split=split)
         self._commit(plan)
 
@@ -968,7 +973,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
-            graph_max_qo=self._graph_max_qo, held=self._held, workspace_bytes=self._split_bytes(),
+            graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, held=self._held,
+            workspace_bytes=self._split_bytes(),
             split=(fixed_split_size, disable_split_kv))
         self._commit(plan)
 
