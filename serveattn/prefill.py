@@ -1061,6 +1061,12 @@ def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None
         policy.unsupported(entry, f"argument(s) {', '.join(sorted(kwargs))} are not served.")
 
 
+# single_prefill_with_kv_cache's workspace (FlashInfer's size for it): a short query over a long KV splits like a
+# batch; a plan whose partial states would not fit stays unsplit. Allocated per call, as single decode's is: the
+# caching allocator makes that cheap, and calls on different streams never share partial states.
+SINGLE_WORKSPACE_BYTES = 32 << 20
+
+
 def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                     window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale,
                     entry, o_dtype=None, descales=None):
@@ -1076,7 +1082,8 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
     if k.shape[2] != q.shape[2]:
         policy.refuse(entry, f"q has head dim {q.shape[2]} but k has {k.shape[2]}.")
     policy.check_same_device(entry, q.device, k=k, v=v)
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(q.new_empty(0, dtype=torch.uint8), kv_layout, backend=backend)
+    workspace = torch.empty(SINGLE_WORKSPACE_BYTES if backend != "torch" else 0, dtype=torch.uint8, device=q.device)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout, backend=backend)
     wrapper._entry = entry
     mask = custom_mask.reshape(-1) if custom_mask is not None else None
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),

@@ -353,3 +353,29 @@ def test_split_fp8_cache_real_size(enc):
         runs.append(w.run(b.q, cache, return_lse=True, k_scale=0.7, v_scale=1.5))
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_single_prefill_splits_a_short_query_over_a_long_kv(causal, device, monkeypatch):
+    """single_prefill_with_kv_cache plans with a workspace (prefill.SINGLE_WORKSPACE_BYTES), so a few query rows over a long
+    KV split like a batch; against the float64 reference and the same call unsplit."""
+    gen = torch.Generator().manual_seed(21 + causal)
+    q = torch.randn(3, 8, 64, generator=gen).to(torch.bfloat16).to(device)
+    k = torch.randn(333, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(333, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT_CHUNK", "64")
+    planned = []
+    monkeypatch.setattr(prefill.BatchPrefillWithRaggedKVCacheWrapper, "_commit",
+                        lambda self, plan, _commit=prefill.BatchPrefillWithRaggedKVCacheWrapper._commit:
+                        (planned.append(plan), _commit(self, plan))[1])
+    out, lse = serveattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="triton", return_lse=True)
+    assert planned[-1].split is not None, "the single call did not split"
+    assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    check_lse(lse, ref_lse)
+    out2, lse2 = serveattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="triton", return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "not bitwise repeatable"
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+    out0 = serveattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="triton")
+    assert planned[-1].split is None
+    assert rel_err(out, out0) < tolerance(torch.bfloat16)
