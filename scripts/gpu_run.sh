@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -55,8 +56,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace|probe-widen) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace probe-widen" >&2; exit 2 ;;
   esac
 done
 
@@ -201,7 +202,7 @@ step_tests() {
 
 step_probe_fp8() {  # fp8 A/B timings: every measuring switch of kernels/common.py and prefill.transposed_v
   {
-    for widen in 1 2 0; do
+    for widen in 3 1 2 0; do
       SERVEATTN_FAST_WIDEN=$widen timeout 90 python3 scripts/probe_fp8.py --cases 64x8192,128x4096,8x4096
     done
     timeout 120 python3 scripts/probe_prefill.py --cases 1x4096,1x8192,1x16384 --kinds bf16,kv8,fp8
@@ -209,6 +210,23 @@ step_probe_fp8() {  # fp8 A/B timings: every measuring switch of kernels/common.
     SERVEATTN_FP8_VT=0 SERVEATTN_EARLY_V=0 timeout 90 python3 scripts/probe_prefill.py --cases 1x8192 --kinds fp8
     SERVEATTN_FAST_WIDEN=0 timeout 90 python3 scripts/probe_prefill.py --cases 1x8192 --kinds kv8
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_widen() {  # next/fp8-widen-cvt: fp8 -> bf16 through fp16/fp32 (3, the branch's default) against the integer
+  # path (1): its GPU tests first (every code, fp8 = dequantized on every route), then alternating processes
+  {
+    SERVEATTN_FAST_WIDEN=3 timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+      tests/test_gather.py tests/test_verify_gpu.py tests/test_decode_gpu.py
+    for round in 1 2; do
+      for widen in 1 3; do
+        echo "== SERVEATTN_FAST_WIDEN=$widen, round $round"
+        SERVEATTN_FAST_WIDEN=$widen timeout 90 python3 scripts/probe_fp8.py --cases 64x8192,128x4096,8x4096
+        SERVEATTN_FAST_WIDEN=$widen timeout 120 python3 scripts/probe_prefill.py --cases 1x4096,16x2048 --kinds kv8 \
+          --profile
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
   return "${PIPESTATUS[0]}"
 }
 
@@ -369,6 +387,7 @@ for s in "${STEPS[@]}"; do
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
     probe-fp8) step_probe_fp8 ;;
+    probe-widen) step_probe_widen ;;
     probe-compile) step_probe_compile ;;
     probe-decode-tiles) step_probe_decode_tiles ;;
     probe-decode-split) step_probe_decode_split ;;
