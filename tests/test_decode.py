@@ -314,3 +314,53 @@ def test_small_batches_pipeline_deeper_without_changing_the_bits():
     assert {(t.block_n, t.num_warps) for t in small + usual} == {(64, 2)}
     assert usual[0].num_stages == 4 and usual[1].num_stages == 6
     assert dec.decode_tiles(128, cuda, torch.bfloat16) == usual[0]
+
+
+DECODE_PLAN_REFUSALS = [
+    # (id, plan keywords or a named change, exception, sentence fragment, the routes it applies to)
+    ("q_len", dict(q_len_per_req=0), ValueError, "q_len_per_req=0 must be a positive int", (False, True)),
+    ("rope", dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, "served on the tensor-core route only",
+     (False,)),
+    ("head_dim", "head_dim", NotImplementedError, "head_dim=80 is not served", (False, True)),
+    ("split", dict(fixed_split_size=0), ValueError, "fixed_split_size=0 must be a positive int", (False, True)),
+    ("int64", "int64", ValueError, "must be int32", (False, True)),
+    ("last_page_len", "last17", ValueError, "paged_kv_last_page_len\\[1\\]=17", (False, True)),
+    ("kv_dtype", dict(kv_data_type=torch.bfloat16), NotImplementedError, "differs from the query dtype",
+     (False, True)),
+    ("window", dict(window_left=-2), ValueError, "window_left=-2", (False, True)),
+    ("fp8_out", dict(o_data_type=torch.float8_e4m3fn), NotImplementedError, "o_data_type", (False, True)),
+    ("chain_and_tree", dict(q_len_per_req=2, tree_parents=[[-1], [-1]]), ValueError,
+     "give q_len_per_req \\(a chain\\) or tree_parents", (False, True)),
+    ("unknown_kwarg", dict(prefix_len_ptr=1), NotImplementedError, "prefix_len_ptr", (False, True)),
+]
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["bandwidth", "tensor_cores"])
+@pytest.mark.parametrize("case", DECODE_PLAN_REFUSALS, ids=[c[0] for c in DECODE_PLAN_REFUSALS])
+def test_refused_decode_plan_leaves_the_wrapper_as_it_was(case, tensor_cores, device):
+    """API.md: a plan() that raises leaves the wrapper exactly as it was: after each refusal the previous plan runs
+    again with the same bits, on both routes."""
+    _, change, exc, match, routes = case
+    if tensor_cores not in routes:
+        pytest.skip("served on this route")
+    gen = torch.Generator().manual_seed(5)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[9, 30], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=4, dtype=torch.float16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                     use_tensor_cores=tensor_cores, backend="triton")
+    args, kw = [b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4], dict(q_data_type=torch.float16)
+    w.plan(*args, **kw, fixed_split_size=8)  # split-KV, so the partial states are part of what must stay
+    before = w.run(b.q, b.cache, return_lse=True)
+    if change == "head_dim":
+        args[5] = 80
+    elif change == "int64":
+        args[0] = b.kv_indptr.long()
+    elif change == "last17":
+        args[2] = torch.tensor([3, 17], dtype=torch.int32, device=device)
+        args[1] = torch.flip(b.kv_indices, [0])
+    else:
+        kw.update(change)
+    with pytest.raises(exc, match=match):
+        w.plan(*args, **kw)
+    after = w.run(b.q, b.cache, return_lse=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))

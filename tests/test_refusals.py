@@ -79,6 +79,13 @@ def test_paged_plan_refusals(case, device):
     with pytest.raises(exc, match=match):
         w.plan(**args)
     assert w._plan is None  # nothing was installed
+    # API.md: a plan() that raises leaves the wrapper exactly as it was: its previous plan runs, with the same bits
+    w.plan(**_plan_args(b))
+    before = w.run(b.q, b.cache, return_lse=True)
+    with pytest.raises(exc, match=match):
+        w.plan(**args)
+    after = w.run(b.q, b.cache, return_lse=True)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
 RUN_REFUSALS = [
