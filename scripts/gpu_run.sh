@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-direct-launch     # GPU tests with the direct launcher, then run() host us with it off / on
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -55,8 +56,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace|probe-direct-launch) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace probe-direct-launch" >&2; exit 2 ;;
   esac
 done
 
@@ -344,6 +345,27 @@ step_probe_fast_launch() {  # kernels/launch.py's fast path: bitwise Triton's la
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_direct_launch() {  # next/direct-launch: cached launches through cuLaunchKernel (ctypes), pointers as ints
+  {
+    rc=0
+    echo "== GPU tests with SERVEATTN_DIRECT_LAUNCH=1 (the branch's default)"
+    SERVEATTN_DIRECT_LAUNCH=1 timeout 330 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_fast_launch_gpu.py \
+      tests/test_fast_launch.py tests/test_decode_gpu.py tests/test_prefill_ws_gpu.py tests/test_prefill_gpu.py \
+      tests/test_fp8_kv.py tests/test_verify_gpu.py > "$OUT/probe-direct-launch-tests.log" 2>&1 || rc=1
+    grep -v Warning "$OUT/probe-direct-launch-tests.log" | tail -25
+    echo "== run() host us (fast launch off = Triton's JIT path, the same-process reference; on = the cached entry),"
+    echo "   alternating processes with SERVEATTN_DIRECT_LAUNCH=0 / 1"
+    for round in 1 2; do
+      for direct in 0 1; do
+        echo "-- SERVEATTN_DIRECT_LAUNCH=$direct, round $round"
+        SERVEATTN_DIRECT_LAUNCH=$direct timeout 150 python3 scripts/probe_host.py --fast-launch-ab --rounds 3 || rc=1
+      done
+    done
+    exit $rc
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-direct-launch.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -369,6 +391,7 @@ for s in "${STEPS[@]}"; do
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
     probe-fp8) step_probe_fp8 ;;
+    probe-direct-launch) step_probe_direct_launch ;;
     probe-compile) step_probe_compile ;;
     probe-decode-tiles) step_probe_decode_tiles ;;
     probe-decode-split) step_probe_decode_split ;;
