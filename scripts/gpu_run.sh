@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-decode-fold       # decode GPU tests with the slot fold, then kernel times block / slot fold
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -55,8 +56,8 @@ for s in "${STEPS[@]}"; do
     env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
     bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
     bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace" >&2; exit 2 ;;
+    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace|probe-decode-fold) ;;
+    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace probe-decode-fold" >&2; exit 2 ;;
   esac
 done
 
@@ -344,6 +345,28 @@ step_probe_fast_launch() {  # kernels/launch.py's fast path: bitwise Triton's la
   return "${PIPESTATUS[0]}"
 }
 
+step_probe_decode_fold() {  # next/decode-fold: the split-KV fold slot by slot (default) against the block fold
+  {
+    rc=0
+    echo "== decode GPU tests with SERVEATTN_DECODE_FOLD=slot (the branch's default)"
+    timeout 300 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gpu.py tests/test_decode.py \
+      tests/test_verify.py tests/test_verify_gpu.py tests/test_fp8_kv.py tests/test_decode_pack.py \
+      > "$OUT/probe-decode-fold-tests.log" 2>&1 || rc=1
+    grep -v Warning "$OUT/probe-decode-fold-tests.log" | tail -15
+    for round in 1 2; do
+      for fold in block slot; do
+        for fused in 1 0; do
+          echo "-- SERVEATTN_DECODE_FOLD=$fold SERVEATTN_DECODE_FUSED_MERGE=$fused, round $round"
+          SERVEATTN_DECODE_FOLD=$fold SERVEATTN_DECODE_FUSED_MERGE=$fused timeout 120 python3 \
+            scripts/probe_decode_profile.py --cases 1x8192,8x4096,32x2048 --flush || rc=1
+        done
+      done
+    done
+    exit $rc
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-decode-fold.txt"
+  return "${PIPESTATUS[0]}"
+}
+
 step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
@@ -369,6 +392,7 @@ for s in "${STEPS[@]}"; do
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
     probe-fp8) step_probe_fp8 ;;
+    probe-decode-fold) step_probe_decode_fold ;;
     probe-compile) step_probe_compile ;;
     probe-decode-tiles) step_probe_decode_tiles ;;
     probe-decode-split) step_probe_decode_split ;;
