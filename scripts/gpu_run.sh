@@ -51,15 +51,6 @@ BENCH_ARGS=${BENCH_ARGS:-}
 
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests bench-prefill)
-for s in "${STEPS[@]}"; do
-  case "$s" in
-    env|tests|bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) ;;
-    bench-crossover|bench-crossover-quick|probe-fp8|probe-compile|probe-decode-tiles|probe-decode-split) ;;
-    bench-verify|probe-chain-tiles|probe-fusion|probe-gluon|probe-prefill-ws|probe-decode-small-batch|probe-prefill-profile|probe-softmax-fma) ;;
-    probe-fast-launch|fi-setup|fi-warm|fi-save-cache|probe-fp8-key-order|probe-host|probe-host-prefill|probe-ws-trace|probe-call-gap|probe-decode-trace|probe-decode-fold) ;;
-    *) echo "gpu_run.sh: unknown step '$s'; steps are: env tests bench-prefill bench-prefill-quick bench-decode bench-decode-quick bench-fp8 bench-fp8-quick bench-crossover bench-crossover-quick bench-verify probe-fp8 probe-compile probe-decode-tiles probe-decode-split probe-chain-tiles probe-fusion probe-gluon probe-prefill-ws probe-decode-small-batch probe-prefill-profile probe-softmax-fma probe-fast-launch fi-setup fi-warm fi-save-cache probe-fp8-key-order probe-host probe-host-prefill probe-ws-trace probe-call-gap probe-decode-trace probe-decode-fold" >&2; exit 2 ;;
-  esac
-done
 
 declare -A RC=()
 T0=$SECONDS
@@ -378,11 +369,9 @@ step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: fam
   return "$rc"
 }
 
-for s in "${STEPS[@]}"; do
-  t=$SECONDS
-  case "$s" in
-    env) step_env ;;
-    tests) step_tests ;;
+# A step is a function step_<name, dashes as underscores> (a new step needs only its function), or a bench.
+run_step() {
+  case "$1" in
     bench-prefill) step_bench "" bench-prefill ;;
     bench-prefill-quick) step_bench "--quick" bench-prefill-quick ;;
     bench-decode) step_bench "" bench-decode decode ;;
@@ -391,30 +380,33 @@ for s in "${STEPS[@]}"; do
     bench-fp8-quick) step_bench "--quick" bench-fp8-quick fp8 ;;
     bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
     bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
-    probe-fp8) step_probe_fp8 ;;
-    probe-decode-fold) step_probe_decode_fold ;;
-    probe-compile) step_probe_compile ;;
-    probe-decode-tiles) step_probe_decode_tiles ;;
-    probe-decode-split) step_probe_decode_split ;;
     bench-verify) step_bench "" bench-verify verify ;;
-    probe-chain-tiles) step_probe_chain_tiles ;;
-    probe-fusion) step_probe_fusion ;;
-    probe-gluon) step_probe_gluon ;;
-    probe-prefill-ws) step_probe_prefill_ws ;;
-    probe-prefill-profile) step_probe_prefill_profile ;;
-    probe-softmax-fma) step_probe_softmax_fma ;;
-    probe-decode-small-batch) step_probe_decode_small_batch ;;
-    probe-fast-launch) step_probe_fast_launch ;;
-    fi-setup) step_fi_setup ;;
-    fi-warm) step_fi_warm ;;
-    probe-host) step_probe_host ;;
-    probe-host-prefill) step_probe_host_prefill ;;
-    probe-ws-trace) step_probe_ws_trace ;;
-    probe-call-gap) step_probe_call_gap ;;
-    probe-decode-trace) step_probe_decode_trace ;;
-    probe-fp8-key-order) step_probe_fp8_key_order ;;
-    fi-save-cache) step_fi_save_cache ;;
+    *) "step_${1//-/_}" ;;
   esac
+}
+
+known_step() {
+  case "$1" in
+    bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) return 0 ;;
+    bench-crossover|bench-crossover-quick|bench-verify) return 0 ;;
+    bench) return 1 ;;  # step_bench is the benches' helper, not a step
+  esac
+  declare -F "step_${1//-/_}" > /dev/null
+}
+
+# every step checked before any runs (a typo must not cost a device call's other steps)
+for s in "${STEPS[@]}"; do
+  if ! known_step "$s"; then
+    steps=$(declare -F | sed -n 's/^declare -f step_//p' | grep -vx bench | tr _ - | tr '\n' ' ')
+    echo "gpu_run.sh: unknown step '$s'; steps are: bench-prefill[-quick] bench-decode[-quick] bench-fp8[-quick] \
+bench-crossover[-quick] bench-verify $steps" >&2
+    exit 2
+  fi
+done
+
+for s in "${STEPS[@]}"; do
+  t=$SECONDS
+  run_step "$s"
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
 done
