@@ -27,6 +27,10 @@ CUresult cuFuncSetAttribute(void *f, int a, int v) { return 0; }
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) { return 0; }
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void *stream, void **params, void **extra) { return 0; }
+CUresult cuMemcpyHtoDAsync_v2(void) { return 0; }
+CUresult cuEventRecord(void) { return 0; }
+CUresult cuEventSynchronize(void) { return 0; }
+CUresult cuEventCreate(void) { return 0; }
 CUresult cuTensorMapEncodeTiled(void) { return 0; }
 CUresult cuTensorMapEncodeIm2col(void) { return 0; }
 """

@@ -283,10 +283,9 @@ _cuda: object = False  # False: not loaded yet; None: no libcuda here
 def _cuda_driver():
     global _cuda
     if _cuda is False:
-        try:
-            _cuda = _Driver(ctypes.CDLL("libcuda.so.1"))
-        except (OSError, AttributeError):
-            _cuda = None
+        from .. import staging  # imported here: the library its copies already load (None where there is none)
+        loaded = staging._get_driver()
+        _cuda = None if loaded is None else _Driver(loaded.lib)
     return _cuda
 
 
