@@ -283,9 +283,9 @@ _cuda: object = False  # False: not loaded yet; None: no libcuda here
 def _cuda_driver():
     global _cuda
     if _cuda is False:
-        from .. import staging  # imported here: the library its copies already load (None where there is none)
-        loaded = staging._get_driver()
-        _cuda = None if loaded is None else _Driver(loaded.lib)
+        from ..staging import libcuda  # imported here (no cycle at import): the one ctypes load of the driver
+        lib = libcuda()
+        _cuda = None if lib is None else _Driver(lib)
     return _cuda
 
 
