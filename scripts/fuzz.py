@@ -1,0 +1,935 @@
+#!/usr/bin/env python
+"""Seeded differential fuzzer: serveattn's public API against the float64 oracle (serveattn/reference.py).
+
+Each case draws one configuration from its seed (same seed and family: same case, on any machine), runs it
+through the public entry points on backend="triton" (the Triton kernels; on CPU through Triton's interpreter)
+and, where cheap, "auto", and checks what ../shared/API.md promises:
+
+- out close to the float64 reference per request (tests/helpers.tolerance), rows with no visible key 0 / -inf;
+- every element of a NaN-poisoned out / lse written;
+- base-2 LSE close to the reference's;
+- a second run bitwise equal to the first; a re-plan to another batch and back gives the first bits again;
+- an fp8 KV cache bitwise equal to the same call on cache.to(q.dtype) with the same scales;
+- refusals only for what the contract does not serve (any other refusal is reported as a failure).
+
+Usage (CPU):  TRITON_INTERPRET=1 python scripts/fuzz.py --family all --seeds 200 --start 0 --time-limit 3000
+Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: no GPU on the fuzzing machines
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's serveattn, not an installed one
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import torch  # noqa: E402
+
+import serveattn  # noqa: E402
+from serveattn import reference  # noqa: E402
+from helpers import make_paged_batch, rel_err, tolerance  # noqa: E402
+
+FAMILIES = ("prefill", "decode", "cascade", "append")
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+I32 = torch.int32
+LSE_ATOL = 2e-2  # tests/helpers.check_lse's bound (base 2)
+
+
+class Mismatch(Exception):
+    """A check failed: a silent wrong answer (or a crash) the fuzzer found."""
+
+
+@dataclass
+class Case:
+    family: str
+    seed: int
+    config: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    refusals: list = field(default_factory=list)  # (expected?, sentence)
+    seconds: float = 0.0
+
+    def repro(self) -> str:
+        return f"python scripts/fuzz.py --family {self.family} --start {self.seed} --seeds 1 -v"
+
+
+# ---------------------------------------------------------------- checks
+
+def short(cfg: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def check_close(case, what, out, ref_out, ref_lse, row_splits, dtype, tol_dtype=None):
+    """out against the reference: written everywhere, per request within tolerance, empty rows exactly 0.
+    tol_dtype: the dtype whose rounding bounds the error (the looser of q's and out's), default dtype."""
+    if out.dtype != dtype:
+        raise Mismatch(f"{what}: out has dtype {out.dtype}, expected {dtype}")
+    o = out.double().cpu()
+    if torch.isnan(o).any():
+        rows = torch.isnan(o).flatten(1).any(1).nonzero().flatten().tolist()
+        raise Mismatch(f"{what}: out holds NaN (unwritten?) in rows {rows[:8]}")
+    empty = torch.isinf(ref_lse.cpu())  # [rows, Hq]: rows/heads that see no key must come out exactly 0
+    if empty.any() and o[empty].abs().max().item() != 0.0:
+        raise Mismatch(f"{what}: a row with no visible key is not 0 (max |out| {o[empty].abs().max().item():.3g})")
+    tol = tolerance(tol_dtype or dtype)
+    err = rel_err(o, ref_out)
+    if not err < tol:
+        raise Mismatch(f"{what}: rel_err {err:.3g} >= {tol} over the batch")
+    for i, (a, b) in enumerate(zip(row_splits[:-1], row_splits[1:])):
+        ref_i = ref_out[a:b]
+        if b > a and ref_i.norm().item() > 0:
+            e = rel_err(o[a:b], ref_i)
+            if not e < tol:
+                raise Mismatch(f"{what}: request {i} (rows {a}:{b}) rel_err {e:.3g} >= {tol}")
+
+
+def check_lse(what, lse, ref_lse, rel=0.0):
+    """rel: a bound relative to |lse| on top of LSE_ATOL, for RoPE only: the rotated q and k are rounded to the
+    16-bit dtype before their product (as in FlashInfer), an error that grows with the logits."""
+    got = lse.double().cpu()
+    if lse.dtype != torch.float32:
+        raise Mismatch(f"{what}: lse has dtype {lse.dtype}")
+    if torch.isnan(got).any():
+        raise Mismatch(f"{what}: lse holds NaN (unwritten?)")
+    ninf = torch.isinf(ref_lse.cpu()) & (ref_lse.cpu() < 0)
+    if not torch.equal(torch.isinf(got) & (got < 0), ninf) or torch.isinf(got[~ninf]).any():
+        raise Mismatch(f"{what}: lse is -inf in {int((torch.isinf(got)).sum())} places, the reference in "
+                       f"{int(ninf.sum())}")
+    if (~ninf).any():
+        ref = ref_lse.cpu()[~ninf]
+        d = ((got[~ninf] - ref).abs() - rel * ref.abs()).max().item()
+        if not d < LSE_ATOL:
+            raise Mismatch(f"{what}: lse off by {d:.3g} (base 2)")
+
+
+def bits(t):
+    """t's bits as integers of its element size (torch.equal on floats calls NaN unequal, and -0 equal to 0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def same_bits(what, a, b):
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        if x is None or y is None:
+            raise Mismatch(f"{what}: one call returned an lse, the other none")
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(bits(x), bits(y)):
+            nan_same = x.shape == y.shape and torch.equal(torch.isnan(x.float()), torch.isnan(y.float()))
+            diff = (x.float() - y.float()).abs().nan_to_num(0).max().item() if x.shape == y.shape else "shape"
+            raise Mismatch(f"{what}: not bitwise equal (max diff {diff}, NaN pattern same: {nan_same})")
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def as_tuple(r):
+    return r if isinstance(r, tuple) else (r, None)
+
+
+# ---------------------------------------------------------------- drawing
+
+def draw_heads(rng):
+    if rng.random() < 0.15:  # MQA
+        return rng.choice([2, 4, 8]), 1
+    hkv = rng.choice([1, 2])
+    return hkv * rng.choice([1, 2, 4]), hkv
+
+
+def draw_head_dim(rng):
+    r = rng.random()
+    return 64 if r < 0.9 else 128 if r < 0.97 else 256
+
+
+def draw_kv_len(rng, page_size, hi):
+    """Lengths that stress the page table: 0, 1, exact page multiples and one either side, or any."""
+    r = rng.random()
+    if r < 0.08:
+        return 0
+    if r < 0.16:
+        return 1
+    if r < 0.45:
+        m = rng.randint(1, max(1, hi // page_size))
+        return max(0, min(hi, m * page_size + rng.choice([-1, 0, 1])))
+    return rng.randint(1, hi)
+
+
+def draw_scales(rng, fp8):
+    """(k_scale, v_scale): None, floats, or one-element float32 tensors (fp8 caches nearly always scaled)."""
+    r = rng.random()
+    if r < (0.1 if fp8 else 0.55):
+        return None, None
+    ks, vs = round(rng.uniform(0.05, 2.0), 4), round(rng.uniform(0.1, 3.0), 4)
+    if rng.random() < 0.3:
+        return torch.tensor([ks], dtype=torch.float32), torch.tensor([vs], dtype=torch.float32)
+    return ks, vs
+
+
+def scale_value(s):
+    return 1.0 if s is None else float(s.item()) if isinstance(s, torch.Tensor) else float(s)
+
+
+def fp8_cache(cache, kv_dtype):
+    """A random 16-bit cache turned into an fp8 one (spread over the format, not only near 1)."""
+    if isinstance(cache, tuple):
+        return tuple((c.float() * 4).to(kv_dtype) for c in cache)
+    if cache.is_contiguous():
+        return (cache.float() * 4).to(kv_dtype)
+    # a view into a larger buffer: keep it a view (of an fp8 buffer)
+    base = cache._base if cache._base is not None else cache
+    big = (base.float() * 4).to(kv_dtype)
+    return big.as_strided(cache.shape, cache.stride(), cache.storage_offset())
+
+
+def widened(cache, dtype):
+    if isinstance(cache, tuple):
+        return tuple(c.to(dtype) for c in cache)
+    if cache.is_contiguous():
+        return cache.to(dtype)
+    base = cache._base
+    return base.to(dtype).as_strided(cache.shape, cache.stride(), cache.storage_offset())
+
+
+def draw_lengths(rng, batch, page_size, causal, q_hi, kv_hi, budget=200):
+    """qo / kv lengths per request; kv >= qo under causal; empty requests likely; total tokens <= budget."""
+    while True:
+        qo, kv = [], []
+        for _ in range(batch):
+            q = 0 if (batch > 1 and rng.random() < 0.15) else rng.choice([1, 1, rng.randint(1, q_hi)])
+            k = draw_kv_len(rng, page_size, kv_hi)
+            if causal:
+                k = max(k, q)
+            qo.append(q)
+            kv.append(k)
+        if sum(qo) + sum(kv) <= budget:
+            return qo, kv
+
+
+def mask_blocks(gen, qo, kv, p):
+    blocks = [torch.rand(q * k, generator=gen) < p for q, k in zip(qo, kv)]
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+
+
+def mask_indptr(qo, kv):
+    ip = [0]
+    for q, k in zip(qo, kv):
+        ip.append(ip[-1] + q * k)
+    return torch.tensor(ip, dtype=I32)
+
+
+def ragged_from_paged(b, layout, view):
+    """The batch's K/V as ragged tensors (NHD [tokens, H, D] or HND [H, tokens, D]); view: strided ones."""
+    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    if view:  # K and V interleaved in one buffer: k = kv[:, 0], strides not the dense ones
+        both = torch.stack([k, v], 1)
+        k, v = both[:, 0], both[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if not view:
+            k, v = k.contiguous(), v.contiguous()
+    return k, v, kv_indptr
+
+
+# ---------------------------------------------------------------- refusals
+
+EXPECTED_REFUSALS = (
+    # the contract's refusals that a drawn configuration may legitimately hit (README "Refused with a sentence")
+    "is served on the tensor-core route only",  # RoPE on the bandwidth decode kernel
+)
+
+
+def refused(case, exc, expected_why=None):
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    expected = expected_why is not None or any(s in msg for s in EXPECTED_REFUSALS)
+    case.refusals.append((expected, f"{type(exc).__name__}: {msg[:160]}"))
+    if not expected:
+        raise Mismatch(f"unexpected refusal of a served combination: {type(exc).__name__}: {msg}")
+
+
+def guarded(case, fn, expected_why=None):
+    """fn(), or None where it was refused with a sentence (recorded; unexpected refusals fail the case)."""
+    try:
+        return fn()
+    except (ValueError, NotImplementedError) as exc:
+        refused(case, exc, expected_why)
+        return None
+
+
+# ---------------------------------------------------------------- prefill
+
+@dataclass
+class PrefillDraw:
+    api: str
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    hq: int
+    hkv: int
+    head_dim: int
+    page_size: int
+    layout: str
+    form: str
+    mask_mode: str
+    opts: dict
+    k_scale: object
+    v_scale: object
+    return_lse: bool
+    single_lse_fn: bool  # single prefill through single_prefill_with_kv_cache_return_lse
+
+    @property
+    def causal(self):
+        return self.mask_mode == "causal"
+
+
+def draw_prefill(rng) -> PrefillDraw:
+    api = rng.choice(["paged", "paged", "ragged", "single"])
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    r = rng.random()
+    kv_dtype = dtype if r < 0.75 else FP8[0] if r < 0.875 else FP8[1]
+    hq, hkv = draw_heads(rng)
+    opts = {}
+    if rng.random() < 0.3:
+        opts["window_left"] = rng.randint(0, 20)
+    if rng.random() < 0.3:
+        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < 0.35:
+        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    if rng.random() < 0.08:
+        opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
+                    rope_scale=rng.choice([1.0, 2.0]))
+    k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
+    return PrefillDraw(
+        api=api, dtype=dtype, kv_dtype=kv_dtype, hq=hq, hkv=hkv, head_dim=draw_head_dim(rng),
+        page_size=rng.choice([1, 3, 16, 32]) if api == "paged" else 1, layout=rng.choice(["NHD", "HND"]),
+        form=rng.choice(["5d", "tuple", "view"]) if api == "paged" else rng.choice(["dense", "view"]),
+        mask_mode=rng.choices(["none", "causal", "custom", "packed"], [30, 40, 18, 12])[0], opts=opts,
+        k_scale=k_scale, v_scale=v_scale, return_lse=rng.random() < 0.75, single_lse_fn=rng.random() < 0.5)
+
+
+def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
+    """A paged batch (ragged / single runs read its K/V gathered) and its custom mask, if any."""
+    b = make_paged_batch(gen, qo_lens=qo, kv_lens=kv, num_qo_heads=d.hq, num_kv_heads=d.hkv, head_dim=d.head_dim,
+                         page_size=d.page_size, dtype=d.dtype, kv_layout=d.layout, tuple_cache=d.form == "tuple",
+                         non_contiguous=d.form == "view")
+    if d.kv_dtype in FP8:
+        b.cache = fp8_cache(b.cache, d.kv_dtype)
+    mask = mask_blocks(gen, qo, kv, rng.choice([0.2, 0.6, 0.95])) if d.mask_mode in ("custom", "packed") else None
+    return b, mask
+
+
+def rope_rel(opts, dtype):
+    """check_lse's rel for a RoPE run: the rounding of a rotated 16-bit element (half an ulp), else 0."""
+    return {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[dtype] if opts.get("pos_encoding_mode") else 0.0
+
+
+def prefill_reference(d: PrefillDraw, b, mask):
+    return reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                 kv_layout=d.layout, causal=d.causal, custom_mask=mask,
+                                 k_scale=scale_value(d.k_scale), v_scale=scale_value(d.v_scale), **d.opts)
+
+
+def prefill_plan_kwargs(d: PrefillDraw, qo, kv, mask, kv_dtype):
+    kw = dict(d.opts, causal=d.causal, q_data_type=d.dtype, kv_data_type=kv_dtype)
+    if d.mask_mode == "custom":
+        kw["custom_mask"] = mask
+    elif d.mask_mode == "packed":
+        kw["packed_custom_mask"], _ = serveattn.segment_packbits(mask, mask_indptr(qo, kv), bitorder="little")
+    return kw
+
+
+class PrefillRunner:
+    """One entry point planned for one batch: call(kv, out, lse) -> (out, lse). kv: the paged cache, or (k, v)."""
+
+    def __init__(self, case, d: PrefillDraw, backend, b, mask, qo, kv, kv_dtype):
+        self.d, self.b, self.backend = d, b, backend
+        self.wrapper = None
+        self.ok = True
+        ws = torch.empty(1 << 20, dtype=torch.uint8)
+        if d.api == "single":
+            self.kv = ragged_from_paged(b, d.layout, d.form == "view")[:2]
+            self.single_kw = dict(d.opts, causal=d.causal, kv_layout=d.layout, backend=backend)
+            if d.mask_mode == "custom":
+                self.single_kw["custom_mask"] = mask.reshape(qo[0], kv[0])
+            elif d.mask_mode == "packed":
+                self.single_kw["packed_custom_mask"] = serveattn.packbits(mask, bitorder="little")
+            return
+        kw = prefill_plan_kwargs(d, qo, kv, mask, kv_dtype)
+        if d.api == "ragged":
+            k, v, ip = ragged_from_paged(b, d.layout, d.form == "view")
+            self.kv = (k, v)
+            self.wrapper = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout=d.layout, backend=backend)
+            planned = guarded(case, lambda: self.wrapper.plan(b.qo_indptr, ip.to(I32), d.hq, d.hkv, d.head_dim,
+                                                              **kw) or True)
+        else:
+            self.kv = b.cache
+            self.wrapper = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout=d.layout, backend=backend)
+            planned = guarded(case, lambda: self.wrapper.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                                              d.hq, d.hkv, d.head_dim, d.page_size, **kw) or True)
+        self.ok = planned is not None
+
+    def __call__(self, kv=None, out=None, lse=None):
+        d, b = self.d, self.b
+        kv = self.kv if kv is None else kv
+        scales = dict(k_scale=d.k_scale, v_scale=d.v_scale)
+        if d.api == "single":
+            if d.return_lse and d.single_lse_fn:
+                return serveattn.single_prefill_with_kv_cache_return_lse(b.q, *kv, **scales, **self.single_kw)
+            return as_tuple(serveattn.single_prefill_with_kv_cache(b.q, *kv, **scales, return_lse=d.return_lse,
+                                                                   **self.single_kw))
+        args = kv if d.api == "ragged" else (kv,)
+        return as_tuple(self.wrapper.run(b.q, *args, **scales, out=out, lse=lse, return_lse=d.return_lse))
+
+
+def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
+    d = draw_prefill(rng)
+    batch = 1 if d.api == "single" else rng.randint(1, 5)
+    budget = max(40, 240 // (d.hq * d.head_dim // 64))
+    len_page = d.page_size if d.api == "paged" else rng.choice([3, 16])
+    qo, kv = draw_lengths(rng, batch, len_page, d.causal, 12, 48, budget)
+    caller_bufs = d.api != "single" and rng.random() < 0.4
+    replan = d.api != "single" and rng.random() < 0.35
+    case.config.update(api=d.api, dtype=str(d.dtype)[6:], kv=str(d.kv_dtype)[6:], heads=(d.hq, d.hkv), d=d.head_dim,
+                       page=d.page_size, layout=d.layout, form=d.form, mask=d.mask_mode, qo=qo, kv_lens=kv,
+                       k_scale=None if d.k_scale is None else scale_value(d.k_scale),
+                       v_scale=None if d.v_scale is None else scale_value(d.v_scale),
+                       scale_tensor=isinstance(d.k_scale, torch.Tensor), lse=d.return_lse, bufs=caller_bufs,
+                       replan=replan, **d.opts)
+    b, mask = prefill_batch(d, rng, gen, qo, kv)
+    ref_out, ref_lse = prefill_reference(d, b, mask)
+    splits = b.qo_indptr.tolist()
+    for backend in ("triton", "auto"):
+        what = f"{d.api}/{backend}"
+        run = PrefillRunner(case, d, backend, b, mask, qo, kv, d.kv_dtype)
+        if not run.ok:
+            continue
+        out_buf = poisoned(b.q.shape, d.dtype) if caller_bufs else None
+        lse_buf = poisoned(b.q.shape[:2], torch.float32) if caller_bufs and d.return_lse else None
+        res = guarded(case, lambda: run(None, out_buf, lse_buf))
+        if res is None:
+            continue
+        out, lse = res
+        if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
+            raise Mismatch(f"{what}: run() did not return the caller's out / lse")
+        check_close(case, what, out, ref_out, ref_lse, splits, d.dtype)
+        if d.return_lse:
+            check_lse(what, lse, ref_lse, rope_rel(d.opts, d.dtype))
+        if backend == "auto":
+            continue  # the torch path; bitwise promises below are the kernels'
+        same_bits(f"{what}: second run", (out, lse), run())
+        if d.kv_dtype in FP8:  # the defining test of an fp8 cache: bitwise its dequantized copy, same scales
+            wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
+            wide_kv = widened(run.kv, d.dtype) if d.api == "paged" else tuple(t.to(d.dtype) for t in run.kv)
+            same_bits(f"{what}: fp8 cache vs cache.to({str(d.dtype)[6:]})", (out, lse), wide(wide_kv))
+        if replan:
+            prefill_replan(case, d, rng, gen, run, budget, (out, lse), what, qo, kv, b, mask)
+
+
+def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask):
+    """The same wrapper re-planned for another batch (checked), then planned back: the first bits again."""
+    qo2, kv2 = draw_lengths(rng, rng.randint(1, 5), d.page_size if d.api == "paged" else 16, d.causal, 12, 48,
+                            budget)
+    case.config["replan_to"] = (qo2, kv2)
+    b2, mask2 = prefill_batch(d, rng, gen, qo2, kv2)
+    w = run.wrapper
+
+    def plan(bb, m, q_lens, k_lens):
+        kw = prefill_plan_kwargs(d, q_lens, k_lens, m, d.kv_dtype)
+        if d.api == "paged":
+            w.plan(bb.qo_indptr, bb.kv_indptr, bb.kv_indices, bb.last_page_len, d.hq, d.hkv, d.head_dim,
+                   d.page_size, **kw)
+            return bb.cache
+        k, v, ip = ragged_from_paged(bb, d.layout, d.form == "view")
+        w.plan(bb.qo_indptr, ip.to(I32), d.hq, d.hkv, d.head_dim, **kw)
+        return (k, v)
+
+    kv2_args = plan(b2, mask2, qo2, kv2)
+    scales = dict(k_scale=d.k_scale, v_scale=d.v_scale)
+    args = kv2_args if d.api == "ragged" else (kv2_args,)
+    out2, lse2 = w.run(b2.q, *args, **scales, return_lse=True)
+    r2_out, r2_lse = prefill_reference(d, b2, mask2)
+    check_close(case, f"{what}: re-planned", out2, r2_out, r2_lse, b2.qo_indptr.tolist(), d.dtype)
+    check_lse(f"{what}: re-planned", lse2, r2_lse, rope_rel(d.opts, d.dtype))
+    plan(b, mask, qo, kv)
+    same_bits(f"{what}: planned back to the first batch", first, run())
+
+
+# ---------------------------------------------------------------- decode
+
+def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
+    api = "single" if rng.random() < 0.2 else "batch"
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    r = rng.random()
+    kv_dtype = dtype if r < 0.75 else FP8[0] if r < 0.875 else FP8[1]
+    hq, hkv = draw_heads(rng)
+    head_dim = draw_head_dim(rng)
+    page_size = rng.choice([1, 3, 16, 32]) if api == "batch" else 1
+    layout = rng.choice(["NHD", "HND"])
+    form = rng.choice(["5d", "tuple", "view"]) if api == "batch" else rng.choice(["dense", "view"])
+    use_tc = rng.random() < 0.4
+    q_len = 1 if api == "single" or rng.random() < 0.65 else rng.randint(2, 4)
+    split = rng.choice(["default", "disable", "fixed"])
+    split_kw = {"disable": {"disable_split_kv": True}, "default": {},
+                "fixed": {"fixed_split_size": rng.choice([1, 5, 16, 32, 64])}}[split] if api == "batch" else {}
+    opts = {}
+    if rng.random() < 0.3:
+        opts["window_left"] = rng.randint(0, 30)
+    if rng.random() < 0.3:
+        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < 0.35:
+        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    rope = rng.random() < (0.08 if use_tc else 0.03)  # on the bandwidth kernel: a refusal the README lists
+    if rope:
+        opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
+                    rope_scale=rng.choice([1.0, 2.0]))
+    o_dtype = None if api == "single" or rng.random() < 0.8 else rng.choice([torch.float16, torch.bfloat16])
+    k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
+    return_lse = rng.random() < 0.75
+    caller_bufs = api == "batch" and rng.random() < 0.4
+    replan = api == "batch" and rng.random() < 0.35
+    batch = 1 if api == "single" else rng.randint(1, 5)
+    budget = max(60, 320 // (hq * head_dim // 64))
+
+    def lengths(n):
+        while True:
+            kv = [max(q_len, draw_kv_len(rng, page_size, 80)) if q_len > 1 else draw_kv_len(rng, page_size, 80)
+                  for _ in range(n)]
+            if sum(kv) <= budget:
+                return kv
+    kv = lengths(batch)
+    out_dtype = o_dtype or dtype
+    tol_dtype = torch.bfloat16 if torch.bfloat16 in (dtype, out_dtype) else torch.float16
+    case.config.update(api=api, dtype=str(dtype)[6:], kv=str(kv_dtype)[6:], heads=(hq, hkv), d=head_dim,
+                       page=page_size, layout=layout, form=form, tc=use_tc, q_len=q_len, split=split_kw,
+                       kv_lens=kv, o=None if o_dtype is None else str(o_dtype)[6:],
+                       k_scale=None if k_scale is None else scale_value(k_scale),
+                       v_scale=None if v_scale is None else scale_value(v_scale),
+                       scale_tensor=isinstance(k_scale, torch.Tensor), lse=return_lse, bufs=caller_bufs,
+                       replan=replan, **opts)
+    rope_refusal = "RoPE on the bandwidth decode kernel (README: 'no')" if rope and not use_tc else None
+
+    def make(kv_lens):
+        b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                             head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
+                             tuple_cache=form == "tuple", non_contiguous=form == "view")
+        if kv_dtype in FP8:
+            b.cache = fp8_cache(b.cache, kv_dtype)
+        ref = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                    kv_layout=layout, causal=q_len > 1, k_scale=scale_value(k_scale),
+                                    v_scale=scale_value(v_scale), **opts)
+        return b, ref
+
+    def planned(backend, b, plan_kv_dtype, wrapper=None):
+        w = wrapper or serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), layout,
+                                                                    use_tensor_cores=use_tc, backend=backend)
+        kw = dict(opts, q_data_type=dtype, kv_data_type=plan_kv_dtype, o_data_type=o_dtype, **split_kw)
+        if q_len > 1:
+            kw["q_len_per_req"] = q_len
+        ok = guarded(case, lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim,
+                                          page_size, **kw) or True,
+                     rope_refusal if backend == "triton" else None)
+        return w if ok else None
+
+    def single(backend, b, kv_pair):
+        k, v = kv_pair
+        return as_tuple(serveattn.single_decode_with_kv_cache(
+            b.q[0], k, v, kv_layout=layout, use_tensor_cores=use_tc, k_scale=k_scale, v_scale=v_scale,
+            return_lse=return_lse, backend=backend, **opts))
+
+    b, (ref_out, ref_lse) = make(kv)
+    splits = b.qo_indptr.tolist()
+    for backend in ("triton", "auto"):
+        what = f"decode-{api}/{backend}"
+        if api == "single":
+            kv_pair = ragged_from_paged(b, layout, form == "view")[:2]
+            res = guarded(case, lambda: single(backend, b, kv_pair), rope_refusal if backend == "triton" else None)
+            if res is None:
+                continue
+            out, lse = res
+            out, lse = out[None], (lse[None] if lse is not None else None)
+        else:
+            w = planned(backend, b, kv_dtype)
+            if w is None:
+                continue
+            out_buf = poisoned(b.q.shape, out_dtype) if caller_bufs else None
+            lse_buf = poisoned(b.q.shape[:2], torch.float32) if caller_bufs and return_lse else None
+            out, lse = as_tuple(w.run(b.q, b.cache, k_scale=k_scale, v_scale=v_scale, out=out_buf, lse=lse_buf,
+                                      return_lse=return_lse))
+            if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
+                raise Mismatch(f"{what}: run() did not return the caller's out / lse")
+        check_close(case, what, out, ref_out, ref_lse, splits, out_dtype, tol_dtype)
+        if return_lse:
+            check_lse(what, lse, ref_lse, rope_rel(opts, dtype))
+        if backend == "auto":
+            continue
+        if api == "single":
+            again = single(backend, b, kv_pair)
+            same_bits(f"{what}: second run", (out[0], None if lse is None else lse[0]), again)
+            if kv_dtype in FP8:
+                wide = single(backend, b, tuple(t.to(dtype) for t in kv_pair))
+                same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out[0], lse[0] if return_lse
+                                                                               else None), wide)
+            continue
+        same_bits(f"{what}: second run", (out, lse), as_tuple(w.run(b.q, b.cache, k_scale=k_scale, v_scale=v_scale,
+                                                                    return_lse=return_lse)))
+        if kv_dtype in FP8:
+            ww = planned(backend, b, dtype)
+            wide = as_tuple(ww.run(b.q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
+                                   return_lse=return_lse))
+            same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), wide)
+        if replan:
+            kv2 = lengths(rng.randint(1, 5))
+            case.config["replan_to"] = kv2
+            b2, (r2_out, r2_lse) = make(kv2)
+            planned(backend, b2, kv_dtype, w)
+            out2, lse2 = w.run(b2.q, b2.cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+            check_close(case, f"{what}: re-planned", out2, r2_out, r2_lse, b2.qo_indptr.tolist(), out_dtype,
+                        tol_dtype)
+            check_lse(f"{what}: re-planned", lse2, r2_lse, rope_rel(opts, dtype))
+            planned(backend, b, kv_dtype, w)
+            same_bits(f"{what}: planned back to the first batch", (out, lse),
+                      as_tuple(w.run(b.q, b.cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)))
+
+
+# ---------------------------------------------------------------- cascade and merge
+
+def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
+    if rng.random() < 0.35:
+        return merge_case(case, rng, gen)
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    r = rng.random()
+    kv_dtype = dtype if r < 0.8 else FP8[0] if r < 0.9 else FP8[1]
+    hq, hkv = draw_heads(rng)
+    head_dim = draw_head_dim(rng)
+    page_size = rng.choice([1, 3, 16, 32])
+    layout = rng.choice(["NHD", "HND"])
+    form = rng.choice(["5d", "tuple", "view"])
+    causal = rng.random() < 0.5
+    num_levels = rng.choice([1, 2, 2, 3])
+    opts = {}  # per-logit options compose over levels; a window (positions) does not, and is not drawn here
+    if rng.random() < 0.3:
+        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < 0.35:
+        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
+    return_lse = rng.random() < 0.75
+    caller_bufs = rng.random() < 0.4
+    budget = max(60, 300 // (hq * head_dim // 64))
+
+    def structure(batch):
+        """qo lens, per-level groups (consecutive requests sharing a segment) and segment lengths."""
+        while True:
+            qo = [0 if (batch > 1 and rng.random() < 0.15) else rng.randint(1, 8) for _ in range(batch)]
+            groups, lens = [], []
+            for lv in range(num_levels):
+                if lv == num_levels - 1:
+                    g = [1] * batch
+                else:
+                    g, left = [], batch
+                    while left:
+                        g.append(rng.randint(1, left))
+                        left -= g[-1]
+                groups.append(g)
+                seg = [draw_kv_len(rng, page_size, 40) for _ in g]
+                if lv == num_levels - 1 and causal:
+                    seg = [max(s, q) for s, q in zip(seg, qo)]  # causal applies to the last level
+                lens.append(seg)
+            if sum(qo) + sum(map(sum, lens)) <= budget:
+                return qo, groups, lens
+    qo, groups, lens = structure(rng.randint(1, 5))
+    case.config.update(api="cascade", dtype=str(dtype)[6:], kv=str(kv_dtype)[6:], heads=(hq, hkv), d=head_dim,
+                       page=page_size, layout=layout, form=form, causal=causal, qo=qo, groups=groups, seg_lens=lens,
+                       k_scale=None if k_scale is None else scale_value(k_scale),
+                       v_scale=None if v_scale is None else scale_value(v_scale), lse=return_lse, bufs=caller_bufs,
+                       **opts)
+
+    segments = [k for seg in lens for k in seg]
+    b = make_paged_batch(gen, qo_lens=[0] * len(segments), kv_lens=segments, num_qo_heads=hq, num_kv_heads=hkv,
+                         head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
+                         tuple_cache=form == "tuple", non_contiguous=form == "view")
+    if kv_dtype in FP8:
+        b.cache = fp8_cache(b.cache, kv_dtype)
+    q = torch.randn(sum(qo), hq, head_dim, generator=gen).to(dtype)
+    arrays = {"qo": [], "indptr": [], "indices": [], "last": []}
+    owner, first = [], 0  # owner[l][r]: the global segment request r reads at level l
+    for g, seg in zip(groups, lens):
+        a, z = first, first + len(seg)
+        rows, req = [0], 0
+        for n in g:
+            rows.append(rows[-1] + sum(qo[req:req + n]))
+            req += n
+        arrays["qo"].append(torch.tensor(rows, dtype=I32))
+        arrays["indptr"].append(b.kv_indptr[a:z + 1] - b.kv_indptr[a])
+        arrays["indices"].append(b.kv_indices[int(b.kv_indptr[a]):int(b.kv_indptr[z])].clone())
+        arrays["last"].append(b.last_page_len[a:z].clone())
+        owner.append([first + j for j, n in enumerate(g) for _ in range(n)])
+        first = z
+    # the reference: each request's attention over its segments concatenated in level order
+    k_all, v_all, seg_ip = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    outs, lses, row = [], [], 0
+    for r, n in enumerate(qo):
+        segs = [owner[lv][r] for lv in range(num_levels)]
+        k = torch.cat([k_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
+        v = torch.cat([v_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
+        o, s = reference.attention(q[row:row + n], k, v, causal=causal, k_scale=scale_value(k_scale),
+                                   v_scale=scale_value(v_scale), **opts)
+        outs.append(o)
+        lses.append(s)
+        row += n
+    ref_out = torch.cat(outs) if outs else torch.zeros(0, hq, head_dim, dtype=torch.float64)
+    ref_lse = torch.cat(lses) if lses else torch.zeros(0, hq, dtype=torch.float64)
+    splits = [0]
+    for n in qo:
+        splits.append(splits[-1] + n)
+
+    def planned(backend, plan_kv_dtype):
+        w = serveattn.MultiLevelCascadeAttentionWrapper(num_levels, torch.empty(1 << 20, dtype=torch.uint8), layout,
+                                                        backend=backend)
+        ok = guarded(case, lambda: w.plan(arrays["qo"], arrays["indptr"], arrays["indices"], arrays["last"], hq, hkv,
+                                          head_dim, page_size, causal=causal, q_data_type=dtype,
+                                          kv_data_type=plan_kv_dtype, **opts) or True)
+        return w if ok else None
+
+    for backend in ("triton", "auto"):
+        what = f"cascade{num_levels}/{backend}"
+        w = planned(backend, kv_dtype)
+        if w is None:
+            continue
+        out_buf = poisoned(q.shape, dtype) if caller_bufs else None
+        lse_buf = poisoned(q.shape[:2], torch.float32) if caller_bufs and return_lse else None
+        out, lse = as_tuple(w.run(q, b.cache, k_scale=k_scale, v_scale=v_scale, out=out_buf, lse=lse_buf,
+                                  return_lse=return_lse))
+        if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
+            raise Mismatch(f"{what}: run() did not return the caller's out / lse")
+        check_close(case, what, out, ref_out, ref_lse, splits, dtype)
+        if return_lse:
+            check_lse(what, lse, ref_lse)
+        if backend == "auto":
+            continue
+        same_bits(f"{what}: second run", (out, lse),
+                  as_tuple(w.run(q, b.cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)))
+        if kv_dtype in FP8:
+            wide = planned(backend, dtype).run(q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
+                                               return_lse=return_lse)
+            same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), as_tuple(wide))
+
+
+def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
+    """merge_state / merge_state_in_place / merge_states on random states with empty (-inf) ones."""
+    dtype = rng.choice([torch.float16, torch.bfloat16, torch.float32])
+    rows, num_states, heads = rng.randint(0, 9), rng.randint(0, 5), rng.randint(1, 5)
+    head_dim = rng.choice([64, 64, 128, 96])
+    spread = rng.choice([1.0, 6.0, 60.0])  # LSE gaps up to ~100: exp2 under- and overflow without a shift
+    garbage = rng.choice(["finite", "finite", "finite", "nan"])  # what an empty state's v holds
+    strided = rng.random() < 0.3
+    case.config.update(api="merge", dtype=str(dtype)[6:], rows=rows, states=num_states, heads=heads, d=head_dim,
+                       spread=spread, garbage=garbage, strided=strided)
+    v = torch.randn(rows, num_states, heads, head_dim, generator=gen)
+    s = torch.randn(rows, num_states, heads, generator=gen) * spread
+    empty = torch.rand(rows, num_states, heads, generator=gen) < rng.choice([0.0, 0.3, 0.7])
+    if rows:
+        empty[0] = True  # a row whose every state is empty
+    s[empty] = float("-inf")
+    v[empty] = float("nan") if garbage == "nan" else 3e4
+    v = v.to(dtype)
+    if strided:  # a view with head_dim stride 2
+        v = torch.stack([v, torch.zeros_like(v)], -1)[..., 0]
+    ref_v, ref_s = reference.merge_states(v, s)
+    tol = 1e-5 if dtype == torch.float32 else tolerance(dtype)
+
+    def check(what, got_v, got_s, want_v, want_s):
+        if got_v.dtype != dtype or got_s.dtype != torch.float32:
+            raise Mismatch(f"{what}: dtypes {got_v.dtype}, {got_s.dtype}")
+        if torch.isnan(got_v).any() or torch.isnan(got_s).any():
+            raise Mismatch(f"{what}: NaN in the merged state")
+        none = torch.isinf(want_s)
+        if not torch.equal(torch.isinf(got_s), none):
+            raise Mismatch(f"{what}: -inf LSE not exactly where every state is empty")
+        if none.any() and got_v[none].abs().max().item() != 0:
+            raise Mismatch(f"{what}: an all-empty row is not 0")
+        if (~none).any():
+            d = (got_s[~none].double() - want_s[~none]).abs().max().item()
+            if not d < 1e-5 * max(1.0, spread / 6):
+                raise Mismatch(f"{what}: merged LSE off by {d:.3g}")
+        e = rel_err(got_v, want_v)
+        if not e < tol:
+            raise Mismatch(f"{what}: rel_err {e:.3g} >= {tol}")
+
+    for backend in ("triton", "auto"):
+        mv, ms = serveattn.merge_states(v, s, backend=backend)
+        check(f"merge_states/{backend}", mv, ms, ref_v, ref_s)
+        same_bits(f"merge_states/{backend}: second run", (mv, ms), serveattn.merge_states(v, s, backend=backend))
+        if num_states != 2:
+            continue
+        ref2_v, ref2_s = ref_v, ref_s
+        tv, ts = serveattn.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], backend=backend)
+        check(f"merge_state/{backend}", tv, ts, ref2_v, ref2_s)
+        iv, is_ = v[:, 0].clone(), s[:, 0].clone()
+        keep = torch.rand(rows, generator=gen) < 0.6
+        serveattn.merge_state_in_place(iv, is_, v[:, 1], s[:, 1], mask=keep, backend=backend)
+        same_bits(f"merge_state_in_place/{backend}: merged rows", (iv[keep], is_[keep]), (tv[keep], ts[keep]))
+        if not torch.equal(bits(iv[~keep]), bits(v[:, 0][~keep])) or not torch.equal(is_[~keep], s[:, 0][~keep]):
+            raise Mismatch(f"merge_state_in_place/{backend}: a masked-out row changed")
+
+
+# ---------------------------------------------------------------- append
+
+def append_case(case: Case, rng: random.Random, gen: torch.Generator):
+    cache_dtype = rng.choice([torch.float16, torch.bfloat16, FP8[0], FP8[1]])
+    quantize = cache_dtype in FP8 and rng.random() < 0.7
+    src_dtype = rng.choice([torch.float16, torch.bfloat16]) if quantize else cache_dtype
+    heads, head_dim = rng.choice([1, 2, 4]), draw_head_dim(rng)
+    page_size = rng.choice([1, 3, 16, 32])
+    layout = rng.choice(["NHD", "HND"])
+    form = rng.choice(["5d", "tuple", "5d_view", "tuple_view"])
+    batch = rng.randint(1, 5)
+    old = [draw_kv_len(rng, page_size, 40) for _ in range(batch)]
+    new = [rng.choice([0, 1, rng.randint(0, 20)]) for _ in range(batch)]
+    magnitude = rng.choice([1.0, 1.0, 100.0, 1e5])  # 1e5: past both formats' largest value (saturation)
+    specials = quantize and rng.random() < 0.2  # inf / NaN in the appended K/V
+    scales = None
+    if quantize:
+        ks, vs = round(rng.uniform(0.01, 4.0), 5), round(rng.uniform(0.01, 4.0), 5)
+        scales = (torch.tensor([ks]), torch.tensor([vs])) if rng.random() < 0.3 else (ks, vs)
+    case.config.update(api="append", cache=str(cache_dtype)[6:], src=str(src_dtype)[6:], heads=heads, d=head_dim,
+                       page=page_size, layout=layout, form=form, old=old, new=new, magnitude=magnitude,
+                       specials=specials, scales=None if scales is None else tuple(map(scale_value, scales)))
+    lens = [o + n for o, n in zip(old, new)]
+    pages = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages) + 3
+    kv_indices = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(I32)
+    kv_indptr = torch.tensor([0] + [sum(pages[:i + 1]) for i in range(batch)], dtype=I32)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=I32)
+    append_indptr = torch.tensor([0] + [sum(new[:i + 1]) for i in range(batch)], dtype=I32)
+    nnz = sum(new)
+    seq_lens = serveattn.get_seq_lens(kv_indptr, last, page_size)
+    if seq_lens.tolist() != lens:
+        raise Mismatch(f"get_seq_lens gave {seq_lens.tolist()}, expected {lens}")
+    batch_indices, positions = serveattn.get_batch_indices_positions(append_indptr, seq_lens, nnz)
+    want_bi = [i for i, n in enumerate(new) for _ in range(n)]
+    want_pos = [o + j for o, n in zip(old, new) for j in range(n)]
+    if batch_indices.tolist() != want_bi or positions.tolist() != want_pos:
+        raise Mismatch("get_batch_indices_positions: wrong targets")
+    order = torch.randperm(nnz, generator=gen)  # tokens need not arrive grouped by request
+    batch_indices, positions = batch_indices[order].contiguous(), positions[order].contiguous()
+    key = torch.randn(nnz, heads, head_dim, generator=gen) * magnitude
+    value = torch.randn(nnz, heads, head_dim, generator=gen) * magnitude
+    if specials and nnz:
+        key.view(-1)[0], value.view(-1)[-1] = float("inf"), float("nan")
+        key.view(-1)[-1] = float("-inf")
+    key, value = key.to(src_dtype), value.to(src_dtype)
+    if not quantize and cache_dtype in FP8:
+        key, value = (key.float() * 4).to(cache_dtype), (value.float() * 4).to(cache_dtype)
+    inner = (page_size, heads) if layout == "NHD" else (heads, page_size)
+    view = form.endswith("_view")
+    lo = 1 if view else 0
+
+    def fresh_cache():
+        g = torch.Generator().manual_seed(case.seed)
+        kv_axis = (2,) if form.startswith("5d") else ()
+        bufs = [(torch.randn(num_pages + 4 * lo, *kv_axis, *inner, head_dim + 16 * lo, generator=g) * 2).to(cache_dtype)
+                for _ in range(1 if kv_axis else 2)]
+        views = [bb[lo:lo + num_pages, ..., 8 * lo:8 * lo + head_dim] for bb in bufs]
+        return (views[0] if kv_axis else tuple(views)), bufs
+
+    cache0, _ = fresh_cache()
+    if quantize:
+        k_store = reference.quantize_fp8(key, scales[0], cache_dtype)
+        v_store = reference.quantize_fp8(value, scales[1], cache_dtype)
+    else:
+        k_store, v_store = key, value
+    want = reference.append_paged_kv_cache(k_store, v_store, batch_indices, positions, cache0, kv_indices, kv_indptr,
+                                           last, layout)
+    want = want if isinstance(want, tuple) else (want,)
+    for backend in ("triton", "torch", "auto"):
+        cache, bufs = fresh_cache()
+        before = [bb.clone() for bb in bufs]
+        kw = dict(k_scale=scales[0], v_scale=scales[1]) if quantize else {}
+        serveattn.append_paged_kv_cache(key, value, batch_indices, positions, cache, kv_indices, kv_indptr, last,
+                                        layout, backend=backend, **kw)
+        got = cache if isinstance(cache, tuple) else (cache,)
+        for g_, w_ in zip(got, want):
+            if not torch.equal(bits(g_.contiguous()), bits(w_.contiguous())):
+                bad = (bits(g_.contiguous()) != bits(w_.contiguous())).sum().item()
+                raise Mismatch(f"append/{backend}: {bad} bytes differ from the reference")
+        if view:  # nothing outside the view written
+            for bb, b0 in zip(bufs, before):
+                outside = torch.ones(bb.shape, dtype=torch.bool)
+                outside[lo:lo + num_pages, ..., 8 * lo:8 * lo + head_dim] = False
+                if not torch.equal(bits(bb)[outside], bits(b0)[outside]):
+                    raise Mismatch(f"append/{backend}: wrote outside the cache view")
+
+
+# ---------------------------------------------------------------- driver
+
+CASES = {"prefill": prefill_case, "decode": decode_case, "cascade": cascade_case, "append": append_case}
+
+
+def family_of(family: str, seed: int) -> str:
+    return FAMILIES[seed % len(FAMILIES)] if family == "all" else family
+
+
+def run_case(family: str, seed: int) -> Case:
+    """One case: the configuration follows from (family, seed) alone."""
+    case = Case(family, seed)
+    rng = random.Random(f"{family}:{seed}")
+    gen = torch.Generator().manual_seed(seed * 4 + FAMILIES.index(family))
+    t0 = time.time()
+    try:
+        CASES[family](case, rng, gen)
+    except Mismatch as exc:
+        case.failures.append(str(exc))
+    except (ValueError, NotImplementedError) as exc:  # raised outside guarded(): a call the case expected to pass
+        case.failures.append(f"unexpected refusal: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    except Exception as exc:  # a crash: never the contract's answer
+        tb = traceback.extract_tb(exc.__traceback__)[-1]
+        case.failures.append(f"crash: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''} "
+                             f"at {os.path.basename(tb.filename)}:{tb.lineno}")
+    case.seconds = time.time() - t0
+    return case
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=50, help="how many seeds")
+    ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--family", choices=FAMILIES + ("all",), default="all",
+                    help="'all' rotates the families over the seeds (seed %% 4)")
+    ap.add_argument("--time-limit", type=float, default=None, help="stop starting cases after this many seconds")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every case's configuration")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    ran, failed = collections.Counter(), []
+    refusals = collections.Counter()
+    for seed in range(args.start, args.start + args.seeds):
+        if args.time_limit is not None and time.time() - t0 > args.time_limit:
+            print(f"time limit reached after {sum(ran.values())} cases")
+            break
+        fam = family_of(args.family, seed)
+        case = run_case(fam, seed)
+        ran[fam] += 1
+        for expected, msg in case.refusals:
+            refusals[("expected" if expected else "UNEXPECTED", msg[:120])] += 1
+        if case.failures:
+            failed.append(case)
+            print(f"FAIL {fam} seed={seed} ({case.seconds:.1f}s): {case.failures[0]}\n"
+                  f"     config: {short(case.config)}\n     repro: {case.repro()}", flush=True)
+        elif args.verbose:
+            print(f"ok   {fam} seed={seed} ({case.seconds:.1f}s): {short(case.config)}", flush=True)
+    total = sum(ran.values())
+    print(f"\n{total} cases ({', '.join(f'{k} {v}' for k, v in sorted(ran.items()))}) in {time.time() - t0:.0f}s; "
+          f"{len(failed)} failed")
+    for (kind, msg), n in sorted(refusals.items()):
+        print(f"  refusal ({kind}) x{n}: {msg}")
+    for case in failed:
+        print(f"  FAIL {case.family} seed={case.seed}: {case.failures[0]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
