@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import random
 import sys
@@ -262,6 +263,52 @@ def guarded(case, fn, expected_why=None):
         return None
 
 
+
+# ---------------------------------------------------------------- one plan, many kinds of call
+
+def draw_call_kinds(rng, n, paged, fp8):
+    """Kinds of run() call (lse or not, scales none / float / tensor, the cache as given or as other tensors with
+    other strides, a caller's out or not), in a random order: the plan keeps launch state per kind (launch memo,
+    replays, cache views), which must never leak from one kind into another."""
+    kinds = []
+    for _ in range(n):
+        kinds.append(dict(lse=rng.random() < 0.5, scales=rng.choice(["none", "float", "tensor"] if not fp8
+                                                                      else ["float", "tensor"]),
+                          other_cache=rng.random() < 0.3, out=rng.random() < 0.3,
+                          ks=round(rng.uniform(0.2, 2.0), 3), vs=round(rng.uniform(0.2, 2.0), 3)))
+    return kinds
+
+
+def kind_args(kind, kv, paged, out_shape, out_dtype):
+    """(kv, kwargs) of one call kind; kv: the paged cache, or the ragged (k, v) pair."""
+    kw = dict(return_lse=kind["lse"])
+    if kind["scales"] == "float":
+        kw.update(k_scale=kind["ks"], v_scale=kind["vs"])
+    elif kind["scales"] == "tensor":
+        kw.update(k_scale=torch.tensor([kind["ks"]]), v_scale=torch.tensor([kind["vs"]]))
+    if kind["out"]:
+        kw["out"] = poisoned(out_shape, out_dtype)
+    if kind["other_cache"]:  # the same values in other tensors, of other strides where the form allows
+        if not paged:
+            kv = tuple(t.clone() for t in kv)
+        elif isinstance(kv, tuple):
+            kv = torch.stack(kv, 1)  # a pair becomes one 5-D tensor
+        else:
+            kv = tuple(t.contiguous() for t in kv.unbind(1))  # a 5-D tensor becomes a dense pair
+    return kv, kw
+
+
+def call_mix(case, rng, what, shared_run, fresh_run, kv, paged, fp8, out_shape, out_dtype):
+    """shared_run(kv, **kw) on one plan against fresh_run(kv, **kw) on a new plan each time: bitwise equal."""
+    kinds = draw_call_kinds(rng, rng.randint(2, 5), paged, fp8)
+    case.config["call_mix"] = [(k["lse"], k["scales"], k["other_cache"], k["out"]) for k in kinds]
+    for i, kind in enumerate(kinds):
+        kv_i, kw = kind_args(kind, kv, paged, out_shape, out_dtype)
+        got = as_tuple(shared_run(kv_i, **kw))
+        kw.pop("out", None)
+        want = as_tuple(fresh_run(kv_i, **kw))
+        same_bits(f"{what}: call {i} of a mixed sequence {kinds[i]} vs a fresh plan", got, want)
+
 # ---------------------------------------------------------------- prefill
 
 @dataclass
@@ -281,6 +328,9 @@ class PrefillDraw:
     v_scale: object
     return_lse: bool
     single_lse_fn: bool  # single prefill through single_prefill_with_kv_cache_return_lse
+    o_dtype: object  # None: q's dtype
+    lse_base: str  # FlashInfer's later run() keywords (paged / ragged): "log2" or "ln"
+    lse_layout: str  # "NH" or "HN"
 
     @property
     def causal(self):
@@ -309,7 +359,10 @@ def draw_prefill(rng) -> PrefillDraw:
         page_size=rng.choice([1, 3, 16, 32]) if api == "paged" else 1, layout=rng.choice(["NHD", "HND"]),
         form=rng.choice(["5d", "tuple", "view"]) if api == "paged" else rng.choice(["dense", "view"]),
         mask_mode=rng.choices(["none", "causal", "custom", "packed"], [30, 40, 18, 12])[0], opts=opts,
-        k_scale=k_scale, v_scale=v_scale, return_lse=rng.random() < 0.75, single_lse_fn=rng.random() < 0.5)
+        k_scale=k_scale, v_scale=v_scale, return_lse=rng.random() < 0.75, single_lse_fn=rng.random() < 0.5,
+        o_dtype=None if rng.random() < 0.85 else rng.choice([torch.float16, torch.bfloat16]),
+        lse_base=rng.choice(["log2"] * 6 + ["ln"]) if api != "single" else "log2",
+        lse_layout=rng.choice(["NH"] * 6 + ["HN"]) if api != "single" else "NH")
 
 
 def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
@@ -335,7 +388,7 @@ def prefill_reference(d: PrefillDraw, b, mask):
 
 
 def prefill_plan_kwargs(d: PrefillDraw, qo, kv, mask, kv_dtype):
-    kw = dict(d.opts, causal=d.causal, q_data_type=d.dtype, kv_data_type=kv_dtype)
+    kw = dict(d.opts, causal=d.causal, q_data_type=d.dtype, kv_data_type=kv_dtype, o_data_type=d.o_dtype)
     if d.mask_mode == "custom":
         kw["custom_mask"] = mask
     elif d.mask_mode == "packed":
@@ -353,7 +406,7 @@ class PrefillRunner:
         ws = torch.empty(1 << 20, dtype=torch.uint8)
         if d.api == "single":
             self.kv = ragged_from_paged(b, d.layout, d.form == "view")[:2]
-            self.single_kw = dict(d.opts, causal=d.causal, kv_layout=d.layout, backend=backend)
+            self.single_kw = dict(d.opts, causal=d.causal, kv_layout=d.layout, backend=backend, o_dtype=d.o_dtype)
             if d.mask_mode == "custom":
                 self.single_kw["custom_mask"] = mask.reshape(qo[0], kv[0])
             elif d.mask_mode == "packed":
@@ -383,7 +436,21 @@ class PrefillRunner:
             return as_tuple(serveattn.single_prefill_with_kv_cache(b.q, *kv, **scales, return_lse=d.return_lse,
                                                                    **self.single_kw))
         args = kv if d.api == "ragged" else (kv,)
-        return as_tuple(self.wrapper.run(b.q, *args, **scales, out=out, lse=lse, return_lse=d.return_lse))
+        if not d.return_lse or (d.lse_base, d.lse_layout) == ("log2", "NH"):
+            return as_tuple(self.wrapper.run(b.q, *args, **scales, out=out, lse=lse, return_lse=d.return_lse))
+        # FlashInfer's lse_base / lse_layout: turned back into base 2 [rows, heads] for the checks
+        hn = d.lse_layout == "HN"
+        given = None if lse is None else poisoned(lse.t().shape, torch.float32) if hn else lse
+        out, got = self.wrapper.run(b.q, *args, **scales, out=out, lse=given, return_lse=True,
+                                    lse_base=d.lse_base, lse_layout=d.lse_layout)
+        if given is not None and got is not given:
+            raise Mismatch(f"lse_base={d.lse_base} lse_layout={d.lse_layout}: run() did not return the caller's lse")
+        nh = got.t() if hn else got
+        nh = nh / math.log(2.0) if d.lse_base == "ln" else nh.clone()
+        if lse is not None:
+            lse.copy_(nh)
+            return out, lse
+        return out, nh
 
 
 def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
@@ -399,8 +466,11 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
                        k_scale=None if d.k_scale is None else scale_value(d.k_scale),
                        v_scale=None if d.v_scale is None else scale_value(d.v_scale),
                        scale_tensor=isinstance(d.k_scale, torch.Tensor), lse=d.return_lse, bufs=caller_bufs,
-                       replan=replan, **d.opts)
+                       replan=replan, o=None if d.o_dtype is None else str(d.o_dtype)[6:],
+                       lse_form=(d.lse_base, d.lse_layout), **d.opts)
     b, mask = prefill_batch(d, rng, gen, qo, kv)
+    out_dtype = d.o_dtype or d.dtype
+    tol_dtype = torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype) else torch.float16
     ref_out, ref_lse = prefill_reference(d, b, mask)
     splits = b.qo_indptr.tolist()
     for backend in ("triton", "auto"):
@@ -408,7 +478,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
         run = PrefillRunner(case, d, backend, b, mask, qo, kv, d.kv_dtype)
         if not run.ok:
             continue
-        out_buf = poisoned(b.q.shape, d.dtype) if caller_bufs else None
+        out_buf = poisoned(b.q.shape, out_dtype) if caller_bufs else None
         lse_buf = poisoned(b.q.shape[:2], torch.float32) if caller_bufs and d.return_lse else None
         res = guarded(case, lambda: run(None, out_buf, lse_buf))
         if res is None:
@@ -416,7 +486,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
         out, lse = res
         if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
             raise Mismatch(f"{what}: run() did not return the caller's out / lse")
-        check_close(case, what, out, ref_out, ref_lse, splits, d.dtype)
+        check_close(case, what, out, ref_out, ref_lse, splits, out_dtype, tol_dtype)
         if d.return_lse:
             check_lse(what, lse, ref_lse, rope_rel(d.opts, d.dtype))
         if backend == "auto":
@@ -426,6 +496,14 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
             wide_kv = widened(run.kv, d.dtype) if d.api == "paged" else tuple(t.to(d.dtype) for t in run.kv)
             same_bits(f"{what}: fp8 cache vs cache.to({str(d.dtype)[6:]})", (out, lse), wide(wide_kv))
+        if d.api != "single" and rng.random() < 0.4:
+            ragged = d.api == "ragged"
+
+            def fresh(kv_, **kw):
+                return PrefillRunner(case, d, backend, b, mask, qo, kv, d.kv_dtype).wrapper.run(
+                    b.q, *(kv_ if ragged else (kv_,)), **kw)
+            call_mix(case, rng, what, lambda kv_, **kw: run.wrapper.run(b.q, *(kv_ if ragged else (kv_,)), **kw),
+                     fresh, run.kv, not ragged, d.kv_dtype in FP8, b.q.shape, d.o_dtype or d.dtype)
         if replan:
             prefill_replan(case, d, rng, gen, run, budget, (out, lse), what, qo, kv, b, mask)
 
@@ -453,7 +531,9 @@ def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask)
     args = kv2_args if d.api == "ragged" else (kv2_args,)
     out2, lse2 = w.run(b2.q, *args, **scales, return_lse=True)
     r2_out, r2_lse = prefill_reference(d, b2, mask2)
-    check_close(case, f"{what}: re-planned", out2, r2_out, r2_lse, b2.qo_indptr.tolist(), d.dtype)
+    out_dtype = d.o_dtype or d.dtype
+    check_close(case, f"{what}: re-planned", out2, r2_out, r2_lse, b2.qo_indptr.tolist(), out_dtype,
+                torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype) else torch.float16)
     check_lse(f"{what}: re-planned", lse2, r2_lse, rope_rel(d.opts, d.dtype))
     plan(b, mask, qo, kv)
     same_bits(f"{what}: planned back to the first batch", first, run())
@@ -582,6 +662,10 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             wide = as_tuple(ww.run(b.q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
                                    return_lse=return_lse))
             same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), wide)
+        if rng.random() < 0.4:
+            call_mix(case, rng, what, lambda kv_, **kw: w.run(b.q, kv_, **kw),
+                     lambda kv_, **kw: planned(backend, b, kv_dtype).run(b.q, kv_, **kw), b.cache, True,
+                     kv_dtype in FP8, b.q.shape, out_dtype)
         if replan:
             kv2 = lengths(rng.randint(1, 5))
             case.config["replan_to"] = kv2
