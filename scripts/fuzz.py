@@ -238,6 +238,47 @@ def ragged_from_paged(b, layout, view):
     return k, v, kv_indptr
 
 
+
+def strided(x, junk):
+    """x's values in a non-contiguous view (every other element of a larger buffer)."""
+    return torch.stack([x, torch.full_like(x, junk)], -1)[..., 0]
+
+
+def q_view(q, num_kv_heads):
+    """q as the query part of a fused [tokens, Hq + 2 Hkv, D] QKV projection (a serving engine's usual q)."""
+    fused = torch.randn(q.shape[0], q.shape[1] + 2 * num_kv_heads, q.shape[2]).to(q.dtype)
+    fused[:, :q.shape[1]] = q
+    return fused[:, :q.shape[1]]
+
+
+def poisoned_view(shape, dtype, view):
+    """A NaN-filled caller buffer, or (view) the same shape inside a larger one (row stride past the heads)."""
+    if not view:
+        return poisoned(shape, dtype)
+    big = poisoned((shape[0], shape[1] + 3) + tuple(shape[2:]), dtype)
+    return big[:, :shape[1]]
+
+
+def perturb_batch(rng, b, config, prefix=""):
+    """What a server may hand the planner besides tidy tensors: the query a view of a fused QKV tensor,
+    kv_indices longer than kv_indptr[-1] (a preallocated buffer), index tensors that are strided views, and
+    requests without pages whose last_page_len is not 0 (API.md: such a request has kv_len 0)."""
+    draws = dict(q_view=rng.random() < 0.2, idx_tail=rng.random() < 0.2, idx_views=rng.random() < 0.15,
+                 empty_last=rng.random() < 0.2)
+    config[prefix + "perturb"] = [k for k, v in draws.items() if v]
+    if draws["q_view"]:
+        b.q = q_view(b.q, 1)
+    if draws["idx_tail"]:
+        b.kv_indices = torch.cat([b.kv_indices, torch.tensor([2 ** 30, -7, 5], dtype=I32)])
+    if draws["empty_last"]:
+        pages = (b.kv_indptr[1:] - b.kv_indptr[:-1])
+        b.last_page_len = torch.where(pages == 0, torch.randint(0, b.page_size + 1, pages.shape, dtype=I32),
+                                      b.last_page_len)
+    if draws["idx_views"]:
+        b.qo_indptr, b.kv_indptr = strided(b.qo_indptr, 99), strided(b.kv_indptr, -99)
+        b.kv_indices, b.last_page_len = strided(b.kv_indices, 2 ** 30), strided(b.last_page_len, 1000)
+    return b
+
 # ---------------------------------------------------------------- refusals
 
 EXPECTED_REFUSALS = (
@@ -331,6 +372,7 @@ class PrefillDraw:
     o_dtype: object  # None: q's dtype
     lse_base: str  # FlashInfer's later run() keywords (paged / ragged): "log2" or "ln"
     lse_layout: str  # "NH" or "HN"
+    perturbed: dict = field(default_factory=dict)  # what perturb_batch did to each batch
 
     @property
     def causal(self):
@@ -372,6 +414,7 @@ def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
                          non_contiguous=d.form == "view")
     if d.kv_dtype in FP8:
         b.cache = fp8_cache(b.cache, d.kv_dtype)
+    perturb_batch(rng, b, d.perturbed)
     mask = mask_blocks(gen, qo, kv, rng.choice([0.2, 0.6, 0.95])) if d.mask_mode in ("custom", "packed") else None
     return b, mask
 
@@ -469,6 +512,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
                        replan=replan, o=None if d.o_dtype is None else str(d.o_dtype)[6:],
                        lse_form=(d.lse_base, d.lse_layout), **d.opts)
     b, mask = prefill_batch(d, rng, gen, qo, kv)
+    case.config.update(d.perturbed)
     out_dtype = d.o_dtype or d.dtype
     tol_dtype = torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype) else torch.float16
     ref_out, ref_lse = prefill_reference(d, b, mask)
@@ -478,8 +522,9 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
         run = PrefillRunner(case, d, backend, b, mask, qo, kv, d.kv_dtype)
         if not run.ok:
             continue
-        out_buf = poisoned(b.q.shape, out_dtype) if caller_bufs else None
-        lse_buf = poisoned(b.q.shape[:2], torch.float32) if caller_bufs and d.return_lse else None
+        view = rng.random() < 0.3
+        out_buf = poisoned_view(b.q.shape, out_dtype, view) if caller_bufs else None
+        lse_buf = poisoned_view(b.q.shape[:2], torch.float32, view) if caller_bufs and d.return_lse else None
         res = guarded(case, lambda: run(None, out_buf, lse_buf))
         if res is None:
             continue
@@ -496,6 +541,8 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
             wide_kv = widened(run.kv, d.dtype) if d.api == "paged" else tuple(t.to(d.dtype) for t in run.kv)
             same_bits(f"{what}: fp8 cache vs cache.to({str(d.dtype)[6:]})", (out, lse), wide(wide_kv))
+        if d.api != "single" and len(qo) > 1 and rng.random() < 0.5:
+            prefill_alone(case, rng, d, b, mask, qo, kv, (out, lse), what)
         if d.api != "single" and rng.random() < 0.4:
             ragged = d.api == "ragged"
 
@@ -508,12 +555,36 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             prefill_replan(case, d, rng, gen, run, budget, (out, lse), what, qo, kv, b, mask)
 
 
+def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what):
+    """README: the prefill kernel never splits a request's KV, so its results never depend on the batch: one
+    request planned alone gives, bitwise, its rows of the batch's run."""
+    i = rng.choice([j for j, n in enumerate(qo) if n] or [0])
+    case.config["alone"] = i
+    q0, q1 = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
+    p0, p1 = int(b.kv_indptr[i]), int(b.kv_indptr[i + 1])
+    m0 = sum(a * c for a, c in zip(qo[:i], kv[:i]))
+    one = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[0], kv_lens=[0], num_qo_heads=d.hq,
+                           num_kv_heads=d.hkv, head_dim=d.head_dim, page_size=d.page_size, dtype=d.dtype)
+    one.q, one.cache = b.q[q0:q1], b.cache
+    one.qo_indptr = torch.tensor([0, q1 - q0], dtype=I32)
+    one.kv_indptr = torch.tensor([0, p1 - p0], dtype=I32)
+    one.kv_indices = b.kv_indices[p0:p1].clone()
+    one.last_page_len = b.last_page_len[i:i + 1].clone()
+    one_mask = None if mask is None else mask[m0:m0 + qo[i] * kv[i]]
+    alone = PrefillRunner(case, d, "triton", one, one_mask, [qo[i]], [kv[i]], d.kv_dtype)
+    out, lse = alone()
+    want_out, want_lse = batch_result
+    same_bits(f"{what}: request {i} planned alone vs its rows in the batch",
+              (out, lse), (want_out[q0:q1], None if want_lse is None else want_lse[q0:q1]))
+
+
 def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask):
     """The same wrapper re-planned for another batch (checked), then planned back: the first bits again."""
     qo2, kv2 = draw_lengths(rng, rng.randint(1, 5), d.page_size if d.api == "paged" else 16, d.causal, 12, 48,
                             budget)
     case.config["replan_to"] = (qo2, kv2)
     b2, mask2 = prefill_batch(d, rng, gen, qo2, kv2)
+    case.config["replan_perturb"] = d.perturbed["perturb"]
     w = run.wrapper
 
     def plan(bb, m, q_lens, k_lens):
@@ -599,6 +670,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                              tuple_cache=form == "tuple", non_contiguous=form == "view")
         if kv_dtype in FP8:
             b.cache = fp8_cache(b.cache, kv_dtype)
+        perturb_batch(rng, b, case.config, "replan_" if "perturb" in case.config else "")
         ref = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                     kv_layout=layout, causal=q_len > 1, k_scale=scale_value(k_scale),
                                     v_scale=scale_value(v_scale), **opts)
@@ -636,8 +708,9 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             w = planned(backend, b, kv_dtype)
             if w is None:
                 continue
-            out_buf = poisoned(b.q.shape, out_dtype) if caller_bufs else None
-            lse_buf = poisoned(b.q.shape[:2], torch.float32) if caller_bufs and return_lse else None
+            view = rng.random() < 0.3
+            out_buf = poisoned_view(b.q.shape, out_dtype, view) if caller_bufs else None
+            lse_buf = poisoned_view(b.q.shape[:2], torch.float32, view) if caller_bufs and return_lse else None
             out, lse = as_tuple(w.run(b.q, b.cache, k_scale=k_scale, v_scale=v_scale, out=out_buf, lse=lse_buf,
                                       return_lse=return_lse))
             if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
@@ -662,6 +735,22 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             wide = as_tuple(ww.run(b.q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
                                    return_lse=return_lse))
             same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), wide)
+        if len(kv) > 1 and (split_kw or use_tc) and rng.random() < 0.5:
+            # fixed or no KV split (or the tensor-core route, which never splits): a request's rows do not depend
+            # on the batch (what vLLM passes fixed_split_size / disable_split_kv for)
+            i = rng.randrange(len(kv))
+            case.config["alone"] = i
+            p0, p1 = int(b.kv_indptr[i]), int(b.kv_indptr[i + 1])
+            one = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[0], kv_lens=[0], num_qo_heads=hq,
+                                   num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype)
+            one.q, one.cache = b.q[i * q_len:(i + 1) * q_len], b.cache
+            one.kv_indptr = torch.tensor([0, p1 - p0], dtype=I32)
+            one.kv_indices, one.last_page_len = b.kv_indices[p0:p1].clone(), b.last_page_len[i:i + 1].clone()
+            alone = as_tuple(planned(backend, one, kv_dtype).run(one.q, b.cache, k_scale=k_scale, v_scale=v_scale,
+                                                                  return_lse=return_lse))
+            rows = slice(i * q_len, (i + 1) * q_len)
+            same_bits(f"{what}: request {i} planned alone vs its rows in the batch", alone,
+                      (out[rows], None if lse is None else lse[rows]))
         if rng.random() < 0.4:
             call_mix(case, rng, what, lambda kv_, **kw: w.run(b.q, kv_, **kw),
                      lambda kv_, **kw: planned(backend, b, kv_dtype).run(b.q, kv_, **kw), b.cache, True,
