@@ -499,9 +499,11 @@ class PrefillRunner:
 def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
     d = draw_prefill(rng)
     batch = 1 if d.api == "single" else rng.randint(1, 5)
-    budget = max(40, 240 // (d.hq * d.head_dim // 64))
+    long = rng.random() < 0.2  # requests of several query tiles (the interpreter's tiles are at most 64 rows)
+    q_hi, kv_hi = (70, 160) if long else (12, 48)
+    budget = max(40, (480 if long else 240) // (d.hq * d.head_dim // 64))
     len_page = d.page_size if d.api == "paged" else rng.choice([3, 16])
-    qo, kv = draw_lengths(rng, batch, len_page, d.causal, 12, 48, budget)
+    qo, kv = draw_lengths(rng, batch, len_page, d.causal, q_hi, kv_hi, budget)
     caller_bufs = d.api != "single" and rng.random() < 0.4
     replan = d.api != "single" and rng.random() < 0.35
     case.config.update(api=d.api, dtype=str(d.dtype)[6:], kv=str(d.kv_dtype)[6:], heads=(d.hq, d.hkv), d=d.head_dim,
@@ -510,7 +512,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
                        v_scale=None if d.v_scale is None else scale_value(d.v_scale),
                        scale_tensor=isinstance(d.k_scale, torch.Tensor), lse=d.return_lse, bufs=caller_bufs,
                        replan=replan, o=None if d.o_dtype is None else str(d.o_dtype)[6:],
-                       lse_form=(d.lse_base, d.lse_layout), **d.opts)
+                       lse_form=(d.lse_base, d.lse_layout), long=long, **d.opts)
     b, mask = prefill_batch(d, rng, gen, qo, kv)
     case.config.update(d.perturbed)
     out_dtype = d.o_dtype or d.dtype
@@ -541,6 +543,8 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
             wide_kv = widened(run.kv, d.dtype) if d.api == "paged" else tuple(t.to(d.dtype) for t in run.kv)
             same_bits(f"{what}: fp8 cache vs cache.to({str(d.dtype)[6:]})", (out, lse), wide(wide_kv))
+        if d.api != "single" and rng.random() < 0.2:
+            prefill_forward(case, rng, d, run, b, mask, qo, kv, (out, lse), what)
         if d.api != "single" and len(qo) > 1 and rng.random() < 0.5:
             prefill_alone(case, rng, d, b, mask, qo, kv, (out, lse), what)
         if d.api != "single" and rng.random() < 0.4:
@@ -552,7 +556,43 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             call_mix(case, rng, what, lambda kv_, **kw: run.wrapper.run(b.q, *(kv_ if ragged else (kv_,)), **kw),
                      fresh, run.kv, not ragged, d.kv_dtype in FP8, b.q.shape, d.o_dtype or d.dtype)
         if replan:
-            prefill_replan(case, d, rng, gen, run, budget, (out, lse), what, qo, kv, b, mask)
+            prefill_replan(case, d, rng, gen, run, budget, (out, lse), what, qo, kv, b, mask, q_hi, kv_hi)
+
+
+def draw_forward_settings(rng):
+    """FlashInfer's deprecated forward() arguments (defaults included: they all apply to the call)."""
+    kw = {}
+    if rng.random() < 0.5:
+        kw["window_left"] = rng.randint(0, 20)
+    if rng.random() < 0.5:
+        kw["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < 0.5:
+        kw["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    return kw
+
+
+def prefill_forward(case, rng, d: PrefillDraw, run, b, mask, qo, kv, first, what):
+    """forward() with other settings than the plan's: the reference under those settings; then run() again gives
+    the plan's first bits (forward's settings hold for its call only)."""
+    settings = draw_forward_settings(rng)
+    causal = rng.random() < 0.5 and all(k >= q for q, k in zip(qo, kv))
+    case.config["forward"] = dict(settings, causal=causal)
+    args = run.kv if d.api == "ragged" else (run.kv,)
+    kw = dict(k_scale=d.k_scale, v_scale=d.v_scale) if d.api == "paged" else {}
+    if d.api == "ragged" and (d.k_scale is not None or d.v_scale is not None):
+        return  # FlashInfer's ragged forward() takes no scales
+    out, lse = run.wrapper.forward(b.q, *args, causal=causal, return_lse=True, **settings, **kw)
+    ref_out, ref_lse = reference.batch_paged(
+        b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, kv_layout=d.layout,
+        causal=causal, custom_mask=mask, k_scale=scale_value(d.k_scale), v_scale=scale_value(d.v_scale),
+        window_left=settings.get("window_left", -1), logits_soft_cap=settings.get("logits_soft_cap"),
+        sm_scale=settings.get("sm_scale"))
+    out_dtype = d.o_dtype or d.dtype
+    check_close(case, f"{what}: forward({settings}, causal={causal})", out, ref_out, ref_lse,
+                b.qo_indptr.tolist(), out_dtype, torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype)
+                else torch.float16)
+    check_lse(f"{what}: forward()", lse, ref_lse)
+    same_bits(f"{what}: run() after forward()", first, run())
 
 
 def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what):
@@ -578,9 +618,9 @@ def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what
               (out, lse), (want_out[q0:q1], None if want_lse is None else want_lse[q0:q1]))
 
 
-def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask):
+def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask, q_hi, kv_hi):
     """The same wrapper re-planned for another batch (checked), then planned back: the first bits again."""
-    qo2, kv2 = draw_lengths(rng, rng.randint(1, 5), d.page_size if d.api == "paged" else 16, d.causal, 12, 48,
+    qo2, kv2 = draw_lengths(rng, rng.randint(1, 5), d.page_size if d.api == "paged" else 16, d.causal, q_hi, kv_hi,
                             budget)
     case.config["replan_to"] = (qo2, kv2)
     b2, mask2 = prefill_batch(d, rng, gen, qo2, kv2)
@@ -611,6 +651,22 @@ def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask)
 
 
 # ---------------------------------------------------------------- decode
+
+def tree_mask(trees, kv_lens):
+    """The dense custom mask of tree verify, built here from the parent arrays (not by the library): a node sees
+    the whole prefix, its ancestors and itself."""
+    blocks = []
+    for parents, kv in zip(trees, kv_lens):
+        n = len(parents)
+        m = torch.zeros(n, kv, dtype=torch.bool)
+        m[:, :kv - n] = True
+        for t, par in enumerate(parents):
+            if par >= 0:
+                m[t, kv - n:] = m[par, kv - n:]
+            m[t, kv - n + t] = True
+        blocks.append(m.reshape(-1))
+    return torch.cat(blocks)
+
 
 def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     api = "single" if rng.random() < 0.2 else "batch"
@@ -645,10 +701,15 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     replan = api == "batch" and rng.random() < 0.35
     batch = 1 if api == "single" else rng.randint(1, 5)
     budget = max(60, 320 // (hq * head_dim // 64))
+    # tree verify (README: served on the tensor-core route); a window has no position for a tree node: not drawn
+    tree = api == "batch" and q_len == 1 and not rope and "window_left" not in opts and rng.random() < 0.2
+
+    kv_hi = 400 if rng.random() < 0.15 else 80  # long: many split chunks
+    budget = budget * 3 if kv_hi > 80 else budget
 
     def lengths(n):
         while True:
-            kv = [max(q_len, draw_kv_len(rng, page_size, 80)) if q_len > 1 else draw_kv_len(rng, page_size, 80)
+            kv = [max(q_len, draw_kv_len(rng, page_size, kv_hi)) if q_len > 1 else draw_kv_len(rng, page_size, kv_hi)
                   for _ in range(n)]
             if sum(kv) <= budget:
                 return kv
@@ -661,19 +722,28 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                        k_scale=None if k_scale is None else scale_value(k_scale),
                        v_scale=None if v_scale is None else scale_value(v_scale),
                        scale_tensor=isinstance(k_scale, torch.Tensor), lse=return_lse, bufs=caller_bufs,
-                       replan=replan, **opts)
+                       replan=replan, tree=tree, **opts)
     rope_refusal = "RoPE on the bandwidth decode kernel (README: 'no')" if rope and not use_tc else None
 
     def make(kv_lens):
-        b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+        trees = None
+        qo_lens = [q_len] * len(kv_lens)
+        if tree:  # node t hangs off the prefix (-1) or an earlier node; the nodes are the last KV positions
+            trees = [[rng.randint(-1, t - 1) for t in range(rng.randint(1, 6))] for _ in kv_lens]
+            qo_lens = [len(t) for t in trees]
+            kv_lens[:] = [max(k, n) for k, n in zip(kv_lens, qo_lens)]
+            case.config["replan_trees" if "trees" in case.config else "trees"] = trees
+        b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                              head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
                              tuple_cache=form == "tuple", non_contiguous=form == "view")
+        b.trees = trees
         if kv_dtype in FP8:
             b.cache = fp8_cache(b.cache, kv_dtype)
         perturb_batch(rng, b, case.config, "replan_" if "perturb" in case.config else "")
         ref = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                     kv_layout=layout, causal=q_len > 1, k_scale=scale_value(k_scale),
-                                    v_scale=scale_value(v_scale), **opts)
+                                    v_scale=scale_value(v_scale),
+                                    custom_mask=tree_mask(trees, kv_lens) if tree else None, **opts)
         return b, ref
 
     def planned(backend, b, plan_kv_dtype, wrapper=None):
@@ -682,6 +752,8 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         kw = dict(opts, q_data_type=dtype, kv_data_type=plan_kv_dtype, o_data_type=o_dtype, **split_kw)
         if q_len > 1:
             kw["q_len_per_req"] = q_len
+        if b.trees is not None:
+            kw["tree_parents"] = b.trees
         ok = guarded(case, lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim,
                                           page_size, **kw) or True,
                      rope_refusal if backend == "triton" else None)
@@ -743,12 +815,13 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             p0, p1 = int(b.kv_indptr[i]), int(b.kv_indptr[i + 1])
             one = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[0], kv_lens=[0], num_qo_heads=hq,
                                    num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype)
-            one.q, one.cache = b.q[i * q_len:(i + 1) * q_len], b.cache
+            rows = slice(int(b.qo_indptr[i]), int(b.qo_indptr[i + 1]))
+            one.q, one.cache = b.q[rows], b.cache
             one.kv_indptr = torch.tensor([0, p1 - p0], dtype=I32)
             one.kv_indices, one.last_page_len = b.kv_indices[p0:p1].clone(), b.last_page_len[i:i + 1].clone()
+            one.trees = None if b.trees is None else b.trees[i:i + 1]
             alone = as_tuple(planned(backend, one, kv_dtype).run(one.q, b.cache, k_scale=k_scale, v_scale=v_scale,
                                                                   return_lse=return_lse))
-            rows = slice(i * q_len, (i + 1) * q_len)
             same_bits(f"{what}: request {i} planned alone vs its rows in the batch", alone,
                       (out[rows], None if lse is None else lse[rows]))
         if rng.random() < 0.4:
