@@ -903,66 +903,75 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
             if sum(qo) + sum(map(sum, lens)) <= budget:
                 return qo, groups, lens
     qo, groups, lens = structure(rng.randint(1, 5))
+    replan = rng.random() < 0.35
     case.config.update(api="cascade", dtype=str(dtype)[6:], kv=str(kv_dtype)[6:], heads=(hq, hkv), d=head_dim,
                        page=page_size, layout=layout, form=form, causal=causal, qo=qo, groups=groups, seg_lens=lens,
                        k_scale=None if k_scale is None else scale_value(k_scale),
                        v_scale=None if v_scale is None else scale_value(v_scale), lse=return_lse, bufs=caller_bufs,
-                       **opts)
+                       replan=replan, **opts)
 
-    segments = [k for seg in lens for k in seg]
-    b = make_paged_batch(gen, qo_lens=[0] * len(segments), kv_lens=segments, num_qo_heads=hq, num_kv_heads=hkv,
-                         head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
-                         tuple_cache=form == "tuple", non_contiguous=form == "view")
-    if kv_dtype in FP8:
-        b.cache = fp8_cache(b.cache, kv_dtype)
-    q = torch.randn(sum(qo), hq, head_dim, generator=gen).to(dtype)
-    arrays = {"qo": [], "indptr": [], "indices": [], "last": []}
-    owner, first = [], 0  # owner[l][r]: the global segment request r reads at level l
-    for g, seg in zip(groups, lens):
-        a, z = first, first + len(seg)
-        rows, req = [0], 0
-        for n in g:
-            rows.append(rows[-1] + sum(qo[req:req + n]))
-            req += n
-        arrays["qo"].append(torch.tensor(rows, dtype=I32))
-        arrays["indptr"].append(b.kv_indptr[a:z + 1] - b.kv_indptr[a])
-        arrays["indices"].append(b.kv_indices[int(b.kv_indptr[a]):int(b.kv_indptr[z])].clone())
-        arrays["last"].append(b.last_page_len[a:z].clone())
-        owner.append([first + j for j, n in enumerate(g) for _ in range(n)])
-        first = z
-    # the reference: each request's attention over its segments concatenated in level order
-    k_all, v_all, seg_ip = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
-    outs, lses, row = [], [], 0
-    for r, n in enumerate(qo):
-        segs = [owner[lv][r] for lv in range(num_levels)]
-        k = torch.cat([k_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
-        v = torch.cat([v_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
-        o, s = reference.attention(q[row:row + n], k, v, causal=causal, k_scale=scale_value(k_scale),
-                                   v_scale=scale_value(v_scale), **opts)
-        outs.append(o)
-        lses.append(s)
-        row += n
-    ref_out = torch.cat(outs) if outs else torch.zeros(0, hq, head_dim, dtype=torch.float64)
-    ref_lse = torch.cat(lses) if lses else torch.zeros(0, hq, dtype=torch.float64)
-    splits = [0]
-    for n in qo:
-        splits.append(splits[-1] + n)
+    def build(qo, groups, lens):
+        """(q, cache, per-level plan arrays, reference out and lse, row splits) of one cascade."""
+        segments = [k for seg in lens for k in seg]
+        b = make_paged_batch(gen, qo_lens=[0] * len(segments), kv_lens=segments, num_qo_heads=hq, num_kv_heads=hkv,
+                             head_dim=head_dim, page_size=page_size, dtype=dtype, kv_layout=layout,
+                             tuple_cache=form == "tuple", non_contiguous=form == "view")
+        if kv_dtype in FP8:
+            b.cache = fp8_cache(b.cache, kv_dtype)
+        q = torch.randn(sum(qo), hq, head_dim, generator=gen).to(dtype)
+        if rng.random() < 0.2:
+            q = q_view(q, hkv)
+        views = rng.random() < 0.15  # the levels' index tensors as strided views
+        arrays = {"qo": [], "indptr": [], "indices": [], "last": []}
+        owner, first = [], 0  # owner[l][r]: the global segment request r reads at level l
+        for g, seg in zip(groups, lens):
+            a, z = first, first + len(seg)
+            rows, req = [0], 0
+            for n in g:
+                rows.append(rows[-1] + sum(qo[req:req + n]))
+                req += n
+            level = (torch.tensor(rows, dtype=I32), b.kv_indptr[a:z + 1] - b.kv_indptr[a],
+                     b.kv_indices[int(b.kv_indptr[a]):int(b.kv_indptr[z])].clone(), b.last_page_len[a:z].clone())
+            for name, t in zip(("qo", "indptr", "indices", "last"), level):
+                arrays[name].append(strided(t, -5) if views else t)
+            owner.append([first + j for j, n in enumerate(g) for _ in range(n)])
+            first = z
+        # the reference: each request's attention over its segments concatenated in level order
+        k_all, v_all, seg_ip = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+        outs, lses, row = [], [], 0
+        for r, n in enumerate(qo):
+            segs = [owner[lv][r] for lv in range(num_levels)]
+            k = torch.cat([k_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
+            v = torch.cat([v_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
+            o, s_ = reference.attention(q[row:row + n], k, v, causal=causal, k_scale=scale_value(k_scale),
+                                        v_scale=scale_value(v_scale), **opts)
+            outs.append(o)
+            lses.append(s_)
+            row += n
+        ref_out = torch.cat(outs) if outs else torch.zeros(0, hq, head_dim, dtype=torch.float64)
+        ref_lse = torch.cat(lses) if lses else torch.zeros(0, hq, dtype=torch.float64)
+        splits = [0]
+        for n in qo:
+            splits.append(splits[-1] + n)
+        return q, b, arrays, ref_out, ref_lse, splits
 
-    def planned(backend, plan_kv_dtype):
-        w = serveattn.MultiLevelCascadeAttentionWrapper(num_levels, torch.empty(1 << 20, dtype=torch.uint8), layout,
-                                                        backend=backend)
+    def planned(backend, plan_kv_dtype, arrays, w=None):
+        w = w or serveattn.MultiLevelCascadeAttentionWrapper(num_levels, torch.empty(1 << 20, dtype=torch.uint8),
+                                                             layout, backend=backend)
         ok = guarded(case, lambda: w.plan(arrays["qo"], arrays["indptr"], arrays["indices"], arrays["last"], hq, hkv,
                                           head_dim, page_size, causal=causal, q_data_type=dtype,
                                           kv_data_type=plan_kv_dtype, **opts) or True)
         return w if ok else None
 
+    q, b, arrays, ref_out, ref_lse, splits = build(qo, groups, lens)
     for backend in ("triton", "auto"):
         what = f"cascade{num_levels}/{backend}"
-        w = planned(backend, kv_dtype)
+        w = planned(backend, kv_dtype, arrays)
         if w is None:
             continue
-        out_buf = poisoned(q.shape, dtype) if caller_bufs else None
-        lse_buf = poisoned(q.shape[:2], torch.float32) if caller_bufs and return_lse else None
+        view = rng.random() < 0.3
+        out_buf = poisoned_view(q.shape, dtype, view) if caller_bufs else None
+        lse_buf = poisoned_view(q.shape[:2], torch.float32, view) if caller_bufs and return_lse else None
         out, lse = as_tuple(w.run(q, b.cache, k_scale=k_scale, v_scale=v_scale, out=out_buf, lse=lse_buf,
                                   return_lse=return_lse))
         if out_buf is not None and (out is not out_buf or (lse_buf is not None and lse is not lse_buf)):
@@ -975,9 +984,20 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
         same_bits(f"{what}: second run", (out, lse),
                   as_tuple(w.run(q, b.cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)))
         if kv_dtype in FP8:
-            wide = planned(backend, dtype).run(q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
-                                               return_lse=return_lse)
+            wide = planned(backend, dtype, arrays).run(q, widened(b.cache, dtype), k_scale=k_scale, v_scale=v_scale,
+                                                       return_lse=return_lse)
             same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), as_tuple(wide))
+        if replan:  # the same wrapper on another cascade (its intermediates reused or grown), then back
+            qo2, groups2, lens2 = structure(rng.randint(1, 5))
+            case.config["replan_to"] = (qo2, groups2, lens2)
+            q2, b2, arrays2, r2_out, r2_lse, splits2 = build(qo2, groups2, lens2)
+            planned(backend, kv_dtype, arrays2, w)
+            out2, lse2 = w.run(q2, b2.cache, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+            check_close(case, f"{what}: re-planned", out2, r2_out, r2_lse, splits2, dtype)
+            check_lse(f"{what}: re-planned", lse2, r2_lse)
+            planned(backend, kv_dtype, arrays, w)
+            same_bits(f"{what}: planned back", (out, lse),
+                      as_tuple(w.run(q, b.cache, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)))
 
 
 def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
@@ -1182,6 +1202,8 @@ def main(argv=None):
                   f"     config: {short(case.config)}\n     repro: {case.repro()}", flush=True)
         elif args.verbose:
             print(f"ok   {fam} seed={seed} ({case.seconds:.1f}s): {short(case.config)}", flush=True)
+        if sum(ran.values()) % 100 == 0:
+            print(f"... {sum(ran.values())} cases, {len(failed)} failed, {time.time() - t0:.0f}s", flush=True)
     total = sum(ran.values())
     print(f"\n{total} cases ({', '.join(f'{k} {v}' for k, v in sorted(ran.items()))}) in {time.time() - t0:.0f}s; "
           f"{len(failed)} failed")
