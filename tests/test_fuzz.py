@@ -1,0 +1,30 @@
+"""Keeps the differential fuzzer (scripts/fuzz.py) alive in CI: a fixed handful of seeds per family, each a
+random configuration of the public API checked against the float64 reference (see the script's docstring)."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "fuzz.py")
+_spec = importlib.util.spec_from_file_location("serveattn_fuzz", _PATH)
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fuzz  # its dataclasses look their module up there
+_spec.loader.exec_module(fuzz)
+
+SEEDS_PER_FAMILY = 10
+
+
+@pytest.mark.parametrize("seed", range(SEEDS_PER_FAMILY))
+@pytest.mark.parametrize("family", fuzz.FAMILIES)
+def test_fuzz_seed(family, seed):
+    case = fuzz.run_case(family, seed)
+    assert not case.failures, f"{case.failures[0]}\nconfig: {fuzz.short(case.config)}\nrepro: {case.repro()}"
+    unexpected = [msg for expected, msg in case.refusals if not expected]
+    assert not unexpected, unexpected
+
+
+def test_a_seed_is_one_configuration():
+    """The reproducer line is worth something only if a seed always draws the same case."""
+    a, b = fuzz.run_case("decode", 3), fuzz.run_case("decode", 3)
+    assert a.config == b.config and a.config
