@@ -526,6 +526,8 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
                        scale_tensor=isinstance(d.k_scale, torch.Tensor), lse=d.return_lse, bufs=caller_bufs,
                        replan=replan, o=None if d.o_dtype is None else str(d.o_dtype)[6:],
                        lse_form=(d.lse_base, d.lse_layout), long=long, **d.opts)
+    if d.api == "paged" and rng.random() < 0.15:
+        return prefill_graph(case, rng, gen, d, q_hi, kv_hi, budget)
     b, mask = prefill_batch(d, rng, gen, qo, kv)
     case.config.update(d.perturbed)
     out_dtype = d.o_dtype or d.dtype
@@ -663,6 +665,74 @@ def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask,
     same_bits(f"{what}: planned back to the first batch", first, run())
 
 
+
+# ---------------------------------------------------------------- use_cuda_graph=True (no capture on CPU)
+
+def graph_sequence(case, what, plan_a, run_a, ref_a, plan_b, run_b, ref_b, out_dtype, tol_dtype, rope_rel_):
+    """Fixed-buffer planning: plan A, run; re-plan B within the buffers, run; plan A again: A's first bits.
+    plan_x() -> bool (False: refused, recorded); run_x() -> (out, lse, row splits)."""
+    if not plan_a():
+        return
+    out_a, lse_a, splits_a = run_a()
+    check_close(case, f"{what}: graph A", out_a, ref_a[0], ref_a[1], splits_a, out_dtype, tol_dtype)
+    check_lse(f"{what}: graph A", lse_a, ref_a[1], rope_rel_)
+    if not plan_b():
+        return
+    out_b, lse_b, splits_b = run_b()
+    check_close(case, f"{what}: graph re-plan B", out_b, ref_b[0], ref_b[1], splits_b, out_dtype, tol_dtype)
+    check_lse(f"{what}: graph re-plan B", lse_b, ref_b[1], rope_rel_)
+    if not plan_a():
+        return
+    again = run_a()
+    same_bits(f"{what}: graph A planned again", (out_a, lse_a), again[:2])
+
+
+def prefill_graph(case, rng, gen, d: PrefillDraw, q_hi, kv_hi, budget):
+    """The paged wrapper with use_cuda_graph=True: buffers sized for both batches, the larger query first (the
+    captured q holds the first run's rows)."""
+    batches = []
+    for _ in range(2):
+        qo, kv = draw_lengths(rng, rng.randint(1, 5), d.page_size, d.causal, q_hi, kv_hi, budget)
+        b, mask = prefill_batch(d, rng, gen, qo, kv)
+        batches.append((sum(qo), qo, kv, b, mask))
+    batches.sort(key=lambda t: -t[0])
+    case.config["graph"] = [(qo, kv) for _, qo, kv, _, _ in batches]
+    n_req = max(len(t[1]) for t in batches)
+    n_idx = max(int(t[3].kv_indices.numel()) for t in batches)
+    mask_bytes = max(sum((q * k + 7) // 8 for q, k in zip(t[1], t[2])) for t in batches)
+    i32 = dict(dtype=I32)
+    bufs = dict(qo_indptr_buf=torch.empty(n_req + 1, **i32), paged_kv_indptr_buf=torch.empty(n_req + 1, **i32),
+                paged_kv_indices_buf=torch.empty(n_idx + 2, **i32),
+                paged_kv_last_page_len_buf=torch.empty(n_req, **i32))
+    if d.mask_mode in ("custom", "packed"):
+        bufs.update(custom_mask_buf=torch.empty(mask_bytes + 1, dtype=torch.uint8),
+                    mask_indptr_buf=torch.empty(n_req + 1, **i32))
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), d.layout,
+                                                      use_cuda_graph=True, backend="triton", **bufs)
+    out_dtype = d.o_dtype or d.dtype
+
+    def planner(t):
+        _, qo, kv, b, mask = t
+        kw = prefill_plan_kwargs(d, qo, kv, mask, d.kv_dtype)
+        return lambda: guarded(case, lambda: w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, d.hq,
+                                                    d.hkv, d.head_dim, d.page_size, **kw) or True) is not None
+
+    def runner(t):
+        b = t[3]
+
+        def run():
+            out = poisoned(b.q.shape, out_dtype)
+            lse = poisoned(b.q.shape[:2], torch.float32)
+            w.run(b.q, b.cache, k_scale=d.k_scale, v_scale=d.v_scale, out=out, lse=lse, return_lse=True)
+            return out, lse, b.qo_indptr.tolist()
+        return run
+
+    refs = [prefill_reference(d, t[3], t[4]) for t in batches]
+    graph_sequence(case, "paged/triton graph", planner(batches[0]), runner(batches[0]), refs[0], planner(batches[1]),
+                   runner(batches[1]), refs[1], out_dtype,
+                   torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype) else torch.float16,
+                   rope_rel(d.opts, d.dtype))
+
 # ---------------------------------------------------------------- decode
 
 def tree_mask(trees, kv_lens):
@@ -780,6 +850,30 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             b.q[0], k, v, kv_layout=layout, use_tensor_cores=use_tc, k_scale=k_scale, v_scale=v_scale,
             return_lse=return_lse, backend=backend, **opts))
 
+    if api == "batch" and rng.random() < 0.15:  # use_cuda_graph=True: fixed buffers, a persistent grid
+        first, second = (make(kv), make(lengths(rng.randint(1, 5))))
+        first, second = sorted([first, second], key=lambda t: -t[0].q.shape[0])  # the captured q: the larger
+        case.config["graph"] = [t[0].kv_indptr.numel() - 1 for t in (first, second)]
+        cap = max(t[0].kv_indptr.numel() - 1 for t in (first, second))
+        n_idx = max(t[0].kv_indices.numel() for t in (first, second))
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(1 << 20, dtype=torch.uint8), layout, use_cuda_graph=True, use_tensor_cores=use_tc,
+            paged_kv_indptr_buffer=torch.empty(cap + 1, dtype=I32),
+            paged_kv_indices_buffer=torch.empty(n_idx + 2, dtype=I32),
+            paged_kv_last_page_len_buffer=torch.empty(cap, dtype=I32), backend="triton")
+
+        def planner(b):
+            return lambda: planned("triton", b, kv_dtype, w) is not None
+
+        def runner(b):
+            def run():
+                out, lse = poisoned(b.q.shape, out_dtype), poisoned(b.q.shape[:2], torch.float32)
+                w.run(b.q, b.cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
+                return out, lse, b.qo_indptr.tolist()
+            return run
+        return graph_sequence(case, "decode/triton graph", planner(first[0]), runner(first[0]), first[1],
+                              planner(second[0]), runner(second[0]), second[1], out_dtype, tol_dtype,
+                              rope_rel(opts, dtype))
     b, (ref_out, ref_lse) = make(kv)
     splits = b.qo_indptr.tolist()
     for backend in ("triton", "auto"):
