@@ -1249,8 +1249,64 @@ def family_of(family: str, seed: int) -> str:
     return FAMILIES[seed % len(FAMILIES)] if family == "all" else family
 
 
-def run_case(family: str, seed: int) -> Case:
-    """One case: the configuration follows from (family, seed) alone."""
+WRAPPERS = ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+            "BatchDecodeWithPagedKVCacheWrapper", "MultiLevelCascadeAttentionWrapper")
+
+
+class Recycler:
+    """Wrappers that have served other plans before: while recording, every wrapper the fuzzer builds (through
+    serveattn.<name>) is kept; while reusing, a build with the same class and settings gets one of the kept
+    ones instead (each once), so the case's plan()s re-plan wrappers that held other heads, dtypes, masks, windows,
+    routes and batches. CUDA-graph wrappers are never recycled (their first plan fixes them)."""
+
+    def __init__(self):
+        self.kept, self.mode, self.saved = collections.defaultdict(list), None, {}
+
+    def __enter__(self):
+        for name in WRAPPERS:
+            cls = self.saved[name] = getattr(serveattn, name)
+            setattr(serveattn, name, self._factory(name, cls))
+        return self
+
+    def __exit__(self, *exc):
+        for name, cls in self.saved.items():
+            setattr(serveattn, name, cls)
+
+    def _factory(self, name, cls):
+        def build(*args, **kwargs):
+            if kwargs.get("use_cuda_graph") or any(a is True for a in args[2:3]):
+                return cls(*args, **kwargs)
+            settings = [a for a in args if not isinstance(a, torch.Tensor)]
+            key = (name, repr(settings), repr(sorted(kwargs.items())))
+            if self.mode == "reuse" and self.kept[key]:
+                return self.kept[key].pop()
+            w = cls(*args, **kwargs)
+            if self.mode == "record":
+                self.kept[key].append(w)
+            return w
+        return build
+
+
+def run_case(family: str, seed: int, recycle=None) -> Case:
+    """One case: the configuration follows from (family, seed) alone. recycle (by default drawn from the seed, one
+    case in four): first run four other seeds of the family, keeping their wrappers, then this case on them."""
+    if recycle is None:
+        recycle = random.Random(f"recycle:{family}:{seed}").random() < 0.25
+    if not recycle:
+        return _run_one(family, seed)
+    with Recycler() as recycler:
+        recycler.mode = "record"
+        warm = [_run_one(family, seed + 1000003 * i) for i in (1, 2, 3, 4)]
+        recycler.mode = "reuse"
+        case = _run_one(family, seed)
+    case.config["recycled_after"] = [w.seed for w in warm]
+    for w in warm:  # a warm-up seed's own failure is reported here too
+        case.failures += [f"(warm-up seed {w.seed}) {f}" for f in w.failures]
+        case.refusals += w.refusals
+    return case
+
+
+def _run_one(family: str, seed: int) -> Case:
     case = Case(family, seed)
     rng = random.Random(f"{family}:{seed}")
     gen = torch.Generator().manual_seed(seed * 4 + FAMILIES.index(family))
