@@ -313,11 +313,21 @@ def draw_call_kinds(rng, n, paged, fp8):
     replays, cache views), which must never leak from one kind into another."""
     kinds = []
     for _ in range(n):
-        kinds.append(dict(lse=rng.random() < 0.5, scales=rng.choice(["none", "float", "tensor"] if not fp8
+        kinds.append(dict(lse=rng.random() < 0.5, scales=rng.choice(["none", "none", "float", "tensor"] if not fp8
                                                                       else ["float", "tensor"]),
-                          other_cache=rng.random() < 0.3, out=rng.random() < 0.3,
+                          other_cache=rng.random() < 0.4, out=rng.random() < 0.3,
                           ks=round(rng.uniform(0.2, 2.0), 3), vs=round(rng.uniform(0.2, 2.0), 3)))
     return kinds
+
+
+def restride(t):
+    """t's values with other strides: a dense tensor becomes a view into rows padded past the head dim, a view
+    becomes dense."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    padded = torch.zeros(t.shape[:-1] + (t.shape[-1] + 8,), dtype=t.dtype)
+    padded[..., :t.shape[-1]] = t
+    return padded[..., :t.shape[-1]]
 
 
 def kind_args(kind, kv, paged, out_shape, out_dtype):
@@ -331,7 +341,7 @@ def kind_args(kind, kv, paged, out_shape, out_dtype):
         kw["out"] = poisoned(out_shape, out_dtype)
     if kind["other_cache"]:  # the same values in other tensors, of other strides where the form allows
         if not paged:
-            kv = tuple(t.clone() for t in kv)
+            kv = tuple(restride(t) for t in kv)
         elif isinstance(kv, tuple):
             kv = torch.stack(kv, 1)  # a pair becomes one 5-D tensor
         else:
@@ -562,7 +572,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
             prefill_forward(case, rng, d, run, b, mask, qo, kv, (out, lse), what)
         if d.api != "single" and len(qo) > 1 and rng.random() < 0.5:
             prefill_alone(case, rng, d, b, mask, qo, kv, (out, lse), what)
-        if d.api != "single" and rng.random() < 0.4:
+        if d.api != "single" and rng.random() < 0.6:
             ragged = d.api == "ragged"
 
             def fresh(kv_, **kw):
