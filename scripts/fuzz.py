@@ -382,6 +382,7 @@ class PrefillDraw:
     o_dtype: object  # None: q's dtype
     lse_base: str  # FlashInfer's later run() keywords (paged / ragged): "log2" or "ln"
     lse_layout: str  # "NH" or "HN"
+    hot: bool = False  # q scaled 16x (large logits)
     perturbed: dict = field(default_factory=dict)  # what perturb_batch did to each batch
 
     @property
@@ -427,7 +428,8 @@ def draw_prefill(rng) -> PrefillDraw:
         k_scale=k_scale, v_scale=v_scale, return_lse=rng.random() < 0.75, single_lse_fn=rng.random() < 0.5,
         o_dtype=None if rng.random() < 0.85 else rng.choice([torch.float16, torch.bfloat16]),
         lse_base=rng.choice(["log2"] * 6 + ["ln"]) if api != "single" else "log2",
-        lse_layout=rng.choice(["NH"] * 6 + ["HN"]) if api != "single" else "NH")
+        lse_layout=rng.choice(["NH"] * 6 + ["HN"]) if api != "single" else "NH",
+        hot="pos_encoding_mode" not in opts and rng.random() < 0.1)
 
 
 def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
@@ -437,6 +439,8 @@ def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
                          non_contiguous=d.form == "view")
     if d.kv_dtype in FP8:
         b.cache = fp8_cache(b.cache, d.kv_dtype)
+    if d.hot:
+        b.q = (b.q.float() * 16).to(d.dtype)  # logits ~16x: peaked rows, LSEs in the hundreds
     perturb_batch(rng, b, d.perturbed)
     mask = mask_blocks(gen, qo, kv, rng.choice([0.2, 0.6, 0.95])) if d.mask_mode in ("custom", "packed") else None
     return b, mask
@@ -535,7 +539,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
                        v_scale=None if d.v_scale is None else scale_value(d.v_scale),
                        scale_tensor=isinstance(d.k_scale, torch.Tensor), lse=d.return_lse, bufs=caller_bufs,
                        replan=replan, o=None if d.o_dtype is None else str(d.o_dtype)[6:],
-                       lse_form=(d.lse_base, d.lse_layout), long=long, **d.opts)
+                       lse_form=(d.lse_base, d.lse_layout), long=long, hot=d.hot, **d.opts)
     if d.api == "paged" and rng.random() < 0.15:
         return prefill_graph(case, rng, gen, d, q_hi, kv_hi, budget)
     b, mask = prefill_batch(d, rng, gen, qo, kv)
@@ -798,6 +802,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     budget = max(60, 320 // (hq * head_dim // 64))
     # tree verify (README: served on the tensor-core route); a window has no position for a tree node: not drawn
     tree = api == "batch" and q_len == 1 and not rope and "window_left" not in opts and rng.random() < 0.2
+    hot = not rope and rng.random() < 0.1
 
     kv_hi = 400 if rng.random() < 0.15 else 80  # long: many split chunks
     budget = budget * 3 if kv_hi > 80 else budget
@@ -817,7 +822,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                        k_scale=None if k_scale is None else scale_value(k_scale),
                        v_scale=None if v_scale is None else scale_value(v_scale),
                        scale_tensor=isinstance(k_scale, torch.Tensor), lse=return_lse, bufs=caller_bufs,
-                       replan=replan, tree=tree, **opts)
+                       replan=replan, tree=tree, hot=hot, **opts)
     rope_refusal = "RoPE on the bandwidth decode kernel (README: 'no')" if rope and not use_tc else None
 
     def make(kv_lens):
@@ -834,6 +839,8 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         b.trees = trees
         if kv_dtype in FP8:
             b.cache = fp8_cache(b.cache, kv_dtype)
+        if hot:
+            b.q = (b.q.float() * 16).to(dtype)  # logits ~16x: peaked rows, LSEs in the hundreds
         perturb_batch(rng, b, case.config, "replan_" if "perturb" in case.config else "")
         ref = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                     kv_layout=layout, causal=q_len > 1, k_scale=scale_value(k_scale),
@@ -1122,8 +1129,9 @@ def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
     s[empty] = float("-inf")
     v[empty] = float("nan") if garbage == "nan" else 3e4
     v = v.to(dtype)
-    if strided:  # a view with head_dim stride 2
+    if strided:  # views: v with head_dim stride 2, s with a state stride past its rows
         v = torch.stack([v, torch.zeros_like(v)], -1)[..., 0]
+        s = torch.cat([s, torch.zeros_like(s)], 1)[:, :num_states]
     ref_v, ref_s = reference.merge_states(v, s)
     tol = 1e-5 if dtype == torch.float32 else tolerance(dtype)
 
@@ -1156,7 +1164,8 @@ def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
         check(f"merge_state/{backend}", tv, ts, ref2_v, ref2_s)
         iv, is_ = v[:, 0].clone(), s[:, 0].clone()
         keep = torch.rand(rows, generator=gen) < 0.6
-        serveattn.merge_state_in_place(iv, is_, v[:, 1], s[:, 1], mask=keep, backend=backend)
+        serveattn.merge_state_in_place(iv, is_, v[:, 1], s[:, 1], backend=backend,
+                                       mask=keep.to(torch.uint8) if rng.random() < 0.5 else keep)
         same_bits(f"merge_state_in_place/{backend}: merged rows", (iv[keep], is_[keep]), (tv[keep], ts[keep]))
         if not torch.equal(bits(iv[~keep]), bits(v[:, 0][~keep])) or not torch.equal(is_[~keep], s[:, 0][~keep]):
             raise Mismatch(f"merge_state_in_place/{backend}: a masked-out row changed")
