@@ -28,3 +28,16 @@ def test_a_seed_is_one_configuration():
     """The reproducer line is worth something only if a seed always draws the same case."""
     a, b = fuzz.run_case("decode", 3), fuzz.run_case("decode", 3)
     assert a.config == b.config and a.config
+
+
+@pytest.mark.parametrize("family", ["prefill", "decode", "cascade"])
+def test_the_checks_bite(family, monkeypatch):
+    """A reference that is off by 1% must fail every family's first seeds: the fuzzer's checks are not vacuous."""
+    real = fuzz.reference.attention
+
+    def off(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out * 1.01, lse
+    monkeypatch.setattr(fuzz.reference, "attention", off)
+    cases = [fuzz.run_case(family, seed, recycle=False) for seed in range(6)]
+    assert any(c.failures for c in cases)
