@@ -1367,8 +1367,8 @@ def main(argv=None):
             refusals[("expected" if expected else "UNEXPECTED", msg[:120])] += 1
         if case.failures:
             failed.append(case)
-            print(f"FAIL {fam} seed={seed} ({case.seconds:.1f}s): {case.failures[0]}\n"
-                  f"     config: {short(case.config)}\n     repro: {case.repro()}", flush=True)
+            print(f"FAIL {fam} seed={seed} ({case.seconds:.1f}s): {case.failures[0]} | repro: {case.repro()} | "
+                  f"config: {short(case.config)}", flush=True)
         elif args.verbose:
             print(f"ok   {fam} seed={seed} ({case.seconds:.1f}s): {short(case.config)}", flush=True)
         if sum(ran.values()) % 100 == 0:
