@@ -10,7 +10,18 @@ and, where cheap, "auto", and checks what ../shared/API.md promises:
 - base-2 LSE close to the reference's;
 - a second run bitwise equal to the first; a re-plan to another batch and back gives the first bits again;
 - an fp8 KV cache bitwise equal to the same call on cache.to(q.dtype) with the same scales;
+- one request planned alone bitwise equal to its rows in the batch (prefill; decode with a fixed or no split);
+- one plan under a random mix of kinds of call (lse or not, no / float / tensor scales, other cache tensors or
+  strides, a caller's out) bitwise equal to a fresh plan's call of each kind;
+- forward()'s per-call settings, then run() with the plan's own bits;
+- use_cuda_graph=True planning (no capture on CPU): re-plans within the fixed buffers, and back;
+- wrappers recycled from four other seeds' plans (one case in four);
 - refusals only for what the contract does not serve (any other refusal is reported as a failure).
+
+Families: prefill (paged / ragged / single), decode (batch incl. chains and trees / single), cascade (multi-level
+cascade and merge_state(s)), append (append_paged_kv_cache, get_seq_lens, get_batch_indices_positions).
+On CPU the GPU-only host paths (fast launch, replays, the Gluon kernel, page gathering, cuDNN) are not reached,
+and fp8 query attention (scale_q / scale_k / scale_v) is not drawn.
 
 Usage (CPU):  TRITON_INTERPRET=1 python scripts/fuzz.py --family all --seeds 200 --start 0 --time-limit 3000
 Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v
