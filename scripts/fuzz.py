@@ -579,6 +579,14 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
         if backend == "auto":
             continue  # the torch path; bitwise promises below are the kernels'
         same_bits(f"{what}: second run", (out, lse), run())
+        if d.api == "paged" and rng.random() < 0.1:  # README: accepted, computed in float32 as without it
+            case.config["fp16_qk_reduction"] = True
+            w16 = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), d.layout,
+                                                                backend=backend)
+            w16.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, d.hq, d.hkv, d.head_dim, d.page_size,
+                     use_fp16_qk_reduction=True, **prefill_plan_kwargs(d, qo, kv, mask, d.kv_dtype))
+            same_bits(f"{what}: use_fp16_qk_reduction=True", (out, lse),
+                      as_tuple(w16.run(b.q, run.kv, k_scale=d.k_scale, v_scale=d.v_scale, return_lse=d.return_lse)))
         if d.kv_dtype in FP8:  # the defining test of an fp8 cache: bitwise its dequantized copy, same scales
             wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
             wide_kv = widened(run.kv, d.dtype) if d.api == "paged" else tuple(t.to(d.dtype) for t in run.kv)
@@ -884,11 +892,16 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         case.config["graph"] = [t[0].kv_indptr.numel() - 1 for t in (first, second)]
         cap = max(t[0].kv_indptr.numel() - 1 for t in (first, second))
         n_idx = max(t[0].kv_indices.numel() for t in (first, second))
-        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(1 << 20, dtype=torch.uint8), layout, use_cuda_graph=True, use_tensor_cores=use_tc,
-            paged_kv_indptr_buffer=torch.empty(cap + 1, dtype=I32),
-            paged_kv_indices_buffer=torch.empty(n_idx + 2, dtype=I32),
-            paged_kv_last_page_len_buffer=torch.empty(cap, dtype=I32), backend="triton")
+        graph_bufs = (torch.empty(cap + 1, dtype=I32), torch.empty(n_idx + 2, dtype=I32), torch.empty(cap, dtype=I32))
+        if rng.random() < 0.3:  # FlashInfer's class for it (its backend: auto, the torch path on CPU)
+            case.config["graph_class"] = True
+            w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(1 << 20, dtype=torch.uint8), *graph_bufs, kv_layout=layout, use_tensor_cores=use_tc)
+        else:
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(1 << 20, dtype=torch.uint8), layout, use_cuda_graph=True, use_tensor_cores=use_tc,
+                paged_kv_indptr_buffer=graph_bufs[0], paged_kv_indices_buffer=graph_bufs[1],
+                paged_kv_last_page_len_buffer=graph_bufs[2], backend="triton")
 
         def planner(b):
             return lambda: planned("triton", b, kv_dtype, w) is not None
