@@ -1516,6 +1516,12 @@ def _run_one(family: str, seed: int, device="cpu") -> Case:
     return case
 
 
+def sticky_cuda_error(failure: str) -> bool:
+    """A fault that leaves the CUDA context unusable (every later call fails with it)."""
+    return any(s in failure for s in ("illegal memory access", "unspecified launch failure", "device-side assert",
+                                      "misaligned address", "illegal instruction"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=50, help="how many seeds")
@@ -1546,6 +1552,9 @@ def main(argv=None):
             failed.append(case)
             print(f"FAIL {fam} seed={seed} ({case.seconds:.1f}s): {case.failures[0]} | repro: {case.repro()} | "
                   f"config: {short(case.config)}", flush=True)
+            if args.device.startswith("cuda") and any(sticky_cuda_error(f) for f in case.failures):
+                print("a CUDA error the process cannot recover from: stopping (later cases would all fail)")
+                break
         elif args.verbose:
             print(f"ok   {fam} seed={seed} ({case.seconds:.1f}s): {short(case.config)}", flush=True)
         if sum(ran.values()) % 100 == 0:
