@@ -14,7 +14,7 @@ and, where cheap, "auto", and checks what ../shared/API.md promises:
 - one plan under a random mix of kinds of call (lse or not, no / float / tensor scales, other cache tensors or
   strides, a caller's out) bitwise equal to a fresh plan's call of each kind;
 - forward()'s per-call settings, then run() with the plan's own bits;
-- use_cuda_graph=True planning (no capture on CPU): re-plans within the fixed buffers, and back;
+- use_cuda_graph=True planning (no capture): re-plans within the fixed buffers, and back;
 - wrappers recycled from four other seeds' plans (one case in four);
 - refusals only for what the contract does not serve (any other refusal is reported as a failure).
 
@@ -32,8 +32,9 @@ on the CPU from the seed, then moved, so a GPU failure replays on CPU with the s
 --scale N multiplies the drawn lengths and token budgets (bigger shapes on the GPU; the seed still fixes the case).
 
 Usage (CPU):  TRITON_INTERPRET=1 python scripts/fuzz.py --family all --seeds 200 --start 0 --time-limit 3000
-Usage (GPU):  python3 scripts/fuzz.py --device cuda --family all --seeds 100000 --time-limit 240  (scripts/gpu_run.sh fuzz)
-Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v
+Usage (GPU):  python3 scripts/fuzz.py --device cuda --family all --seeds 100000 --time-limit 240  (gpu_run.sh fuzz)
+Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v (with
+--device cuda / --scale N where the run had them; without --device cuda the same case replays on the CPU).
 """
 from __future__ import annotations
 
