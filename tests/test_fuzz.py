@@ -90,7 +90,8 @@ class DevicePlumbing(TorchFunctionMode):
             return None
         if isinstance(x, (tuple, list)):
             return type(x)(self.on_device(t, device) for t in x)
-        to_host = device is not None and device is not fuzz.DEVICE  # fuzz.INDEX_DEVICE when it is the host
+        # fuzz.use_device makes INDEX_DEVICE the DEVICE object itself unless the index tensors go to the host
+        to_host = device is not None and device is not fuzz.DEVICE
         if self.on_pretend_device(x) or to_host:
             self.mark(x, self.host_storage if to_host else self.device_storage)
             return x
@@ -180,12 +181,9 @@ def test_device_plumbing(family, monkeypatch):
     assert {c.config["index_on"] for c in moved} == {"host", "device"}
 
 
-def test_cuda_mode_leaves_the_seeds_draws_alone():
-    """The index-tensor placement has a random stream of its own: the case's draws do not change with it, and the
-    reproducer names the device."""
-    case = fuzz.Case("decode", 5, device="cuda", scale=2)
-    assert "--device cuda --scale 2" in case.repro()
-    assert fuzz.use_device("cpu", "decode", 5) == fuzz.use_device(torch.device("cpu"), "decode", 5)
+def test_repro_names_device_and_scale():
+    assert fuzz.Case("decode", 5, device="cuda", scale=2).repro().endswith(" --device cuda --scale 2 -v")
+    assert fuzz.Case("decode", 5).repro() == "python scripts/fuzz.py --family decode --start 5 --seeds 1 -v"
 
 
 @pytest.mark.gpu
