@@ -507,19 +507,25 @@ def rope_moderate(rng, k_scale, opts, kv_dtype):
     return k_scale, opts
 
 
+def draw_logit_options(rng, p_window, p_soft_cap, p_sm_scale, max_window=20) -> dict:
+    """window_left / logits_soft_cap / sm_scale, each with its own probability (0: never drawn, no draw spent)."""
+    opts = {}
+    if p_window and rng.random() < p_window:
+        opts["window_left"] = rng.randint(0, max_window)
+    if rng.random() < p_soft_cap:
+        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < p_sm_scale:
+        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    return opts
+
+
 def draw_prefill(rng) -> PrefillDraw:
     api = rng.choice(["paged", "paged", "ragged", "single"])
     dtype = rng.choice([torch.float16, torch.bfloat16])
     r = rng.random()
     kv_dtype = dtype if r < 0.75 else FP8[0] if r < 0.875 else FP8[1]
     hq, hkv = draw_heads(rng)
-    opts = {}
-    if rng.random() < 0.3:
-        opts["window_left"] = rng.randint(0, 20)
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    opts = draw_logit_options(rng, 0.3, 0.3, 0.35)
     if rng.random() < 0.08:
         opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
                     rope_scale=rng.choice([1.0, 2.0]))
@@ -709,14 +715,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
 
 def draw_forward_settings(rng):
     """FlashInfer's deprecated forward() arguments (defaults included: they all apply to the call)."""
-    kw = {}
-    if rng.random() < 0.5:
-        kw["window_left"] = rng.randint(0, 20)
-    if rng.random() < 0.5:
-        kw["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.5:
-        kw["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
-    return kw
+    return draw_logit_options(rng, 0.5, 0.5, 0.5)
 
 
 def prefill_forward(case, rng, d: PrefillDraw, run, b, mask, qo, kv, first, what):
@@ -923,13 +922,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     split = rng.choice(["default", "disable", "fixed"])
     split_kw = {"disable": {"disable_split_kv": True}, "default": {},
                 "fixed": {"fixed_split_size": rng.choice([1, 5, 16, 32, 64])}}[split] if api == "batch" else {}
-    opts = {}
-    if rng.random() < 0.3:
-        opts["window_left"] = rng.randint(0, 30)
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    opts = draw_logit_options(rng, 0.3, 0.3, 0.35, max_window=30)
     rope = rng.random() < (0.08 if use_tc else 0.03)  # on the bandwidth kernel: a refusal the README lists
     if rope:
         opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
@@ -1135,11 +1128,8 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
     form = rng.choice(["5d", "tuple", "view"])
     causal = rng.random() < 0.5
     num_levels = rng.choice([1, 2, 2, 3])
-    opts = {}  # per-logit options compose over levels; a window (positions) does not, and is not drawn here
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    # per-logit options compose over levels; a window (positions) does not, and is not drawn here
+    opts = draw_logit_options(rng, 0, 0.3, 0.35)
     k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
     return_lse = rng.random() < 0.75
     caller_bufs = rng.random() < 0.4
