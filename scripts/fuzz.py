@@ -14,7 +14,7 @@ and, where cheap, "auto", and checks what ../shared/API.md promises:
 - one plan under a random mix of kinds of call (lse or not, no / float / tensor scales, other cache tensors or
   strides, a caller's out) bitwise equal to a fresh plan's call of each kind;
 - forward()'s per-call settings, then run() with the plan's own bits;
-- use_cuda_graph=True planning (no capture on CPU): re-plans within the fixed buffers, and back;
+- use_cuda_graph=True planning (no capture): re-plans within the fixed buffers, and back;
 - wrappers recycled from four other seeds' plans (one case in four);
 - refusals only for what the contract does not serve (any other refusal is reported as a failure).
 
@@ -23,8 +23,18 @@ cascade and merge_state(s)), append (append_paged_kv_cache, get_seq_lens, get_ba
 On CPU the GPU-only host paths (fast launch, replays, the Gluon kernel, page gathering, cuDNN) are not reached,
 and fp8 query attention (scale_q / scale_k / scale_v) is not drawn.
 
+--device cuda: the case's inputs (q, caches, index tensors, masks, scale tensors, caller out / lse, workspaces) on the
+GPU, the interpreter off: the compiled kernels through the fast launch path and direct launcher
+(serveattn/kernels/launch.py), plan replays (kernels/replay.py), the warp-specialized Gluon prefill, fp8 page
+gathering, and backend="auto"'s real routes (Triton, cuDNN, torch; recorded as route=). A plan's index tensors lie on
+the GPU or on the host (drawn per case, index_on=). The float64 reference always runs on CPU copies. Tensors are drawn
+on the CPU from the seed, then moved, so a GPU failure replays on CPU with the same seed (and --scale).
+--scale N multiplies the drawn lengths and token budgets (bigger shapes on the GPU; the seed still fixes the case).
+
 Usage (CPU):  TRITON_INTERPRET=1 python scripts/fuzz.py --family all --seeds 200 --start 0 --time-limit 3000
-Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v
+Usage (GPU):  python3 scripts/fuzz.py --device cuda --family all --seeds 100000 --time-limit 240  (gpu_run.sh fuzz)
+Each failure prints a one-line reproducer: python scripts/fuzz.py --family F --start SEED --seeds 1 -v (with
+--device cuda / --scale N where the run had them; without --device cuda the same case replays on the CPU).
 """
 from __future__ import annotations
 
@@ -38,12 +48,25 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: no GPU on the fuzzing machines
+
+
+def device_arg(argv) -> str:
+    """--device from the command line, read before triton is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    return pre.parse_known_args(argv)[0].device
+
+
+import torch  # noqa: E402  (torch does not import triton)
+
+# Triton's interpreter, set before triton is imported, for CPU tensors only: as a script, --device cpu; imported (by
+# tests/test_fuzz.py), as tests/conftest.py does, on a machine without a GPU
+if (device_arg(sys.argv[1:]).startswith("cpu") if __name__ == "__main__" else not torch.cuda.is_available()):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's serveattn, not an installed one
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-import torch  # noqa: E402
 
 import serveattn  # noqa: E402
 from serveattn import reference  # noqa: E402
@@ -53,6 +76,60 @@ FAMILIES = ("prefill", "decode", "cascade", "append")
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 I32 = torch.int32
 LSE_ATOL = 2e-2  # tests/helpers.check_lse's bound (base 2)
+
+# The case being run: where its inputs live and where its plans' index tensors live (the device or the host), set
+# by use_device; --scale, set by main.
+DEVICE = torch.device("cpu")
+INDEX_DEVICE = torch.device("cpu")
+SCALE = 1
+
+
+def on_device(x, device=None):
+    """x on device (default: the case's DEVICE). x was made on the CPU from the case's generator, so a seed draws the
+    same values on any device; a view stays a view (of its base, moved). Tuples and lists map; None passes."""
+    device = DEVICE if device is None else device
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_device(t, device) for t in x)
+    if x.device == device:
+        return x
+    if x._base is None:
+        return x.to(device)
+    return x._base.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def on_index_device(x):
+    """A plan's index tensor (indptr, indices, last_page_len): on the device or the host, as the case drew."""
+    return on_device(x, INDEX_DEVICE)
+
+
+def on_cpu(x):
+    """CPU copies of the tensors in x (nested tuples, lists, dicts): what the float64 reference reads."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(on_cpu(t) for t in x)
+    if isinstance(x, dict):
+        return {k: on_cpu(v) for k, v in x.items()}
+    return x
+
+
+class CpuOracle:
+    """serveattn.reference called on CPU copies of its arguments: the float64 oracle never runs on the device (its
+    functions are looked up per call, so a test may monkeypatch serveattn.reference)."""
+
+    def __getattr__(self, name):
+        fn = getattr(reference, name)
+        return lambda *args, **kwargs: fn(*on_cpu(args), **on_cpu(kwargs))
+
+
+oracle = CpuOracle()
+
+
+def scaled(n: int) -> int:
+    """A length bound or token budget under --scale."""
+    return n * SCALE
 
 
 class Mismatch(Exception):
@@ -67,9 +144,13 @@ class Case:
     failures: list = field(default_factory=list)
     refusals: list = field(default_factory=list)  # (expected?, sentence)
     seconds: float = 0.0
+    device: str = "cpu"
+    scale: int = 1
 
     def repro(self) -> str:
-        return f"python scripts/fuzz.py --family {self.family} --start {self.seed} --seeds 1 -v"
+        where = (f" --device {self.device}" if self.device != "cpu" else "") + \
+            (f" --scale {self.scale}" if self.scale != 1 else "")
+        return f"python scripts/fuzz.py --family {self.family} --start {self.seed} --seeds 1{where} -v"
 
 
 # ---------------------------------------------------------------- checks
@@ -139,7 +220,20 @@ def same_bits(what, a, b):
 
 
 def poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype)
+    return on_device(torch.full(shape, float("nan"), dtype=dtype))
+
+
+def workspace():
+    return on_device(torch.empty(1 << 20, dtype=torch.uint8))
+
+
+def batch_on_device(b):
+    """A PagedBatch made on the CPU (and checked against the reference there) moved for the API: q and the cache to
+    the device, the index tensors where the case keeps a plan's index tensors."""
+    b.q, b.cache = on_device(b.q), on_device(b.cache)
+    b.qo_indptr, b.kv_indptr = on_index_device(b.qo_indptr), on_index_device(b.kv_indptr)
+    b.kv_indices, b.last_page_len = on_index_device(b.kv_indices), on_index_device(b.last_page_len)
+    return b
 
 
 def as_tuple(r):
@@ -180,7 +274,7 @@ def draw_scales(rng, fp8):
         return None, None
     ks, vs = round(rng.uniform(0.05, 2.0), 4), round(rng.uniform(0.1, 3.0), 4)
     if rng.random() < 0.3:
-        return torch.tensor([ks], dtype=torch.float32), torch.tensor([vs], dtype=torch.float32)
+        return on_device(torch.tensor([ks], dtype=torch.float32)), on_device(torch.tensor([vs], dtype=torch.float32))
     return ks, vs
 
 
@@ -238,7 +332,8 @@ def mask_indptr(qo, kv):
 
 def ragged_from_paged(b, layout, view):
     """The batch's K/V as ragged tensors (NHD [tokens, H, D] or HND [H, tokens, D]); view: strided ones."""
-    k, v, kv_indptr = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    k, v, kv_indptr = oracle.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+    k, v, kv_indptr = on_device(k), on_device(v), on_index_device(kv_indptr)
     if view:  # K and V interleaved in one buffer: k = kv[:, 0], strides not the dense ones
         both = torch.stack([k, v], 1)
         k, v = both[:, 0], both[:, 1]
@@ -336,7 +431,7 @@ def restride(t):
     becomes dense."""
     if not t.is_contiguous():
         return t.contiguous()
-    padded = torch.zeros(t.shape[:-1] + (t.shape[-1] + 8,), dtype=t.dtype)
+    padded = t.new_zeros(t.shape[:-1] + (t.shape[-1] + 8,))
     padded[..., :t.shape[-1]] = t
     return padded[..., :t.shape[-1]]
 
@@ -347,7 +442,7 @@ def kind_args(kind, kv, paged, out_shape, out_dtype):
     if kind["scales"] == "float":
         kw.update(k_scale=kind["ks"], v_scale=kind["vs"])
     elif kind["scales"] == "tensor":
-        kw.update(k_scale=torch.tensor([kind["ks"]]), v_scale=torch.tensor([kind["vs"]]))
+        kw.update(k_scale=on_device(torch.tensor([kind["ks"]])), v_scale=on_device(torch.tensor([kind["vs"]])))
     if kind["out"]:
         kw["out"] = poisoned(out_shape, out_dtype)
     if kind["other_cache"]:  # the same values in other tensors, of other strides where the form allows
@@ -412,19 +507,25 @@ def rope_moderate(rng, k_scale, opts, kv_dtype):
     return k_scale, opts
 
 
+def draw_logit_options(rng, p_window, p_soft_cap, p_sm_scale, max_window=20) -> dict:
+    """window_left / logits_soft_cap / sm_scale, each with its own probability (0: never drawn, no draw spent)."""
+    opts = {}
+    if p_window and rng.random() < p_window:
+        opts["window_left"] = rng.randint(0, max_window)
+    if rng.random() < p_soft_cap:
+        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
+    if rng.random() < p_sm_scale:
+        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    return opts
+
+
 def draw_prefill(rng) -> PrefillDraw:
     api = rng.choice(["paged", "paged", "ragged", "single"])
     dtype = rng.choice([torch.float16, torch.bfloat16])
     r = rng.random()
     kv_dtype = dtype if r < 0.75 else FP8[0] if r < 0.875 else FP8[1]
     hq, hkv = draw_heads(rng)
-    opts = {}
-    if rng.random() < 0.3:
-        opts["window_left"] = rng.randint(0, 20)
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    opts = draw_logit_options(rng, 0.3, 0.3, 0.35)
     if rng.random() < 0.08:
         opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
                     rope_scale=rng.choice([1.0, 2.0]))
@@ -454,7 +555,7 @@ def prefill_batch(d: PrefillDraw, rng, gen, qo, kv):
         b.q = (b.q.float() * 16).to(d.dtype)  # logits ~16x: peaked rows, LSEs in the hundreds
     perturb_batch(rng, b, d.perturbed)
     mask = mask_blocks(gen, qo, kv, rng.choice([0.2, 0.6, 0.95])) if d.mask_mode in ("custom", "packed") else None
-    return b, mask
+    return batch_on_device(b), mask  # the mask stays on the CPU for the reference; plans take a device copy
 
 
 def rope_rel(opts, dtype):
@@ -463,7 +564,7 @@ def rope_rel(opts, dtype):
 
 
 def prefill_reference(d: PrefillDraw, b, mask):
-    return reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+    return oracle.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                  kv_layout=d.layout, causal=d.causal, custom_mask=mask,
                                  k_scale=scale_value(d.k_scale), v_scale=scale_value(d.v_scale), **d.opts)
 
@@ -471,9 +572,10 @@ def prefill_reference(d: PrefillDraw, b, mask):
 def prefill_plan_kwargs(d: PrefillDraw, qo, kv, mask, kv_dtype):
     kw = dict(d.opts, causal=d.causal, q_data_type=d.dtype, kv_data_type=kv_dtype, o_data_type=d.o_dtype)
     if d.mask_mode == "custom":
-        kw["custom_mask"] = mask
+        kw["custom_mask"] = on_device(mask)
     elif d.mask_mode == "packed":
-        kw["packed_custom_mask"], _ = serveattn.segment_packbits(mask, mask_indptr(qo, kv), bitorder="little")
+        kw["packed_custom_mask"], _ = serveattn.segment_packbits(on_device(mask), on_device(mask_indptr(qo, kv)),
+                                                                 bitorder="little")
     return kw
 
 
@@ -484,14 +586,14 @@ class PrefillRunner:
         self.d, self.b, self.backend = d, b, backend
         self.wrapper = None
         self.ok = True
-        ws = torch.empty(1 << 20, dtype=torch.uint8)
+        ws = workspace()
         if d.api == "single":
             self.kv = ragged_from_paged(b, d.layout, d.form == "view")[:2]
             self.single_kw = dict(d.opts, causal=d.causal, kv_layout=d.layout, backend=backend, o_dtype=d.o_dtype)
             if d.mask_mode == "custom":
-                self.single_kw["custom_mask"] = mask.reshape(qo[0], kv[0])
+                self.single_kw["custom_mask"] = on_device(mask.reshape(qo[0], kv[0]))
             elif d.mask_mode == "packed":
-                self.single_kw["packed_custom_mask"] = serveattn.packbits(mask, bitorder="little")
+                self.single_kw["packed_custom_mask"] = serveattn.packbits(on_device(mask), bitorder="little")
             return
         kw = prefill_plan_kwargs(d, qo, kv, mask, kv_dtype)
         if d.api == "ragged":
@@ -506,6 +608,8 @@ class PrefillRunner:
             planned = guarded(case, lambda: self.wrapper.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                                               d.hq, d.hkv, d.head_dim, d.page_size, **kw) or True)
         self.ok = planned is not None
+        if self.ok and backend == "auto":
+            case.config["route"] = self.wrapper.backend  # where "auto" sent the plan (on a GPU: triton, cudnn, torch)
 
     def __call__(self, kv=None, out=None, lse=None):
         d, b = self.d, self.b
@@ -538,8 +642,8 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
     d = draw_prefill(rng)
     batch = 1 if d.api == "single" else rng.randint(1, 5)
     long = rng.random() < 0.2  # requests of several query tiles (the interpreter's tiles are at most 64 rows)
-    q_hi, kv_hi = (70, 160) if long else (12, 48)
-    budget = max(40, (480 if long else 240) // (d.hq * d.head_dim // 64))
+    q_hi, kv_hi = (scaled(70), scaled(160)) if long else (scaled(12), scaled(48))
+    budget = max(40, scaled(480 if long else 240) // (d.hq * d.head_dim // 64))
     len_page = d.page_size if d.api == "paged" else rng.choice([3, 16])
     qo, kv = draw_lengths(rng, batch, len_page, d.causal, q_hi, kv_hi, budget)
     caller_bufs = d.api != "single" and rng.random() < 0.4
@@ -581,11 +685,13 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
         same_bits(f"{what}: second run", (out, lse), run())
         if d.api == "paged" and rng.random() < 0.1:  # README: accepted, computed in float32 as without it
             case.config["fp16_qk_reduction"] = True
-            w16 = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), d.layout,
+            w16 = serveattn.BatchPrefillWithPagedKVCacheWrapper(workspace(), d.layout,
                                                                 backend=backend)
             w16.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, d.hq, d.hkv, d.head_dim, d.page_size,
                      use_fp16_qk_reduction=True, **prefill_plan_kwargs(d, qo, kv, mask, d.kv_dtype))
-            same_bits(f"{what}: use_fp16_qk_reduction=True", (out, lse),
+            # both in base 2, [rows, heads]: (out, lse) may have come back as ln / HN, turned back with a rounding
+            plain = run.wrapper.run(b.q, run.kv, k_scale=d.k_scale, v_scale=d.v_scale, return_lse=d.return_lse)
+            same_bits(f"{what}: use_fp16_qk_reduction=True", as_tuple(plain),
                       as_tuple(w16.run(b.q, run.kv, k_scale=d.k_scale, v_scale=d.v_scale, return_lse=d.return_lse)))
         if d.kv_dtype in FP8:  # the defining test of an fp8 cache: bitwise its dequantized copy, same scales
             wide = PrefillRunner(case, d, backend, b, mask, qo, kv, d.dtype)
@@ -609,14 +715,7 @@ def prefill_case(case: Case, rng: random.Random, gen: torch.Generator):
 
 def draw_forward_settings(rng):
     """FlashInfer's deprecated forward() arguments (defaults included: they all apply to the call)."""
-    kw = {}
-    if rng.random() < 0.5:
-        kw["window_left"] = rng.randint(0, 20)
-    if rng.random() < 0.5:
-        kw["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.5:
-        kw["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
-    return kw
+    return draw_logit_options(rng, 0.5, 0.5, 0.5)
 
 
 def prefill_forward(case, rng, d: PrefillDraw, run, b, mask, qo, kv, first, what):
@@ -630,7 +729,7 @@ def prefill_forward(case, rng, d: PrefillDraw, run, b, mask, qo, kv, first, what
     if d.api == "ragged" and (d.k_scale is not None or d.v_scale is not None):
         return  # FlashInfer's ragged forward() takes no scales
     out, lse = run.wrapper.forward(b.q, *args, causal=causal, return_lse=True, **settings, **kw)
-    ref_out, ref_lse = reference.batch_paged(
+    ref_out, ref_lse = oracle.batch_paged(
         b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, kv_layout=d.layout,
         causal=causal, custom_mask=mask, k_scale=scale_value(d.k_scale), v_scale=scale_value(d.v_scale),
         window_left=settings.get("window_left", -1), logits_soft_cap=settings.get("logits_soft_cap"),
@@ -675,8 +774,8 @@ def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what
     one = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[0], kv_lens=[0], num_qo_heads=d.hq,
                            num_kv_heads=d.hkv, head_dim=d.head_dim, page_size=d.page_size, dtype=d.dtype)
     one.q, one.cache = b.q[q0:q1], b.cache
-    one.qo_indptr = torch.tensor([0, q1 - q0], dtype=I32)
-    one.kv_indptr = torch.tensor([0, p1 - p0], dtype=I32)
+    one.qo_indptr = on_index_device(torch.tensor([0, q1 - q0], dtype=I32))
+    one.kv_indptr = on_index_device(torch.tensor([0, p1 - p0], dtype=I32))
     one.kv_indices = b.kv_indices[p0:p1].clone()
     one.last_page_len = b.last_page_len[i:i + 1].clone()
     one_mask = None if mask is None else mask[m0:m0 + qo[i] * kv[i]]
@@ -763,7 +862,8 @@ def prefill_graph(case, rng, gen, d: PrefillDraw, q_hi, kv_hi, budget):
     if d.mask_mode in ("custom", "packed"):
         bufs.update(custom_mask_buf=torch.empty(mask_bytes + 1, dtype=torch.uint8),
                     mask_indptr_buf=torch.empty(n_req + 1, **i32))
-    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), d.layout,
+    bufs = {name: on_device(buf) for name, buf in bufs.items()}  # a graph's buffers live on the device
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(workspace(), d.layout,
                                                       use_cuda_graph=True, backend="triton", **bufs)
     out_dtype = d.o_dtype or d.dtype
 
@@ -822,13 +922,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     split = rng.choice(["default", "disable", "fixed"])
     split_kw = {"disable": {"disable_split_kv": True}, "default": {},
                 "fixed": {"fixed_split_size": rng.choice([1, 5, 16, 32, 64])}}[split] if api == "batch" else {}
-    opts = {}
-    if rng.random() < 0.3:
-        opts["window_left"] = rng.randint(0, 30)
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    opts = draw_logit_options(rng, 0.3, 0.3, 0.35, max_window=30)
     rope = rng.random() < (0.08 if use_tc else 0.03)  # on the bandwidth kernel: a refusal the README lists
     if rope:
         opts.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=rng.choice([1e4, 500.0]),
@@ -841,13 +935,14 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     caller_bufs = api == "batch" and rng.random() < 0.4
     replan = api == "batch" and rng.random() < 0.35
     batch = 1 if api == "single" else rng.randint(1, 5)
-    budget = max(60, 320 // (hq * head_dim // 64))
+    budget = max(60, scaled(320) // (hq * head_dim // 64))
     # tree verify (README: served on the tensor-core route); a window has no position for a tree node: not drawn
     tree = api == "batch" and q_len == 1 and not rope and "window_left" not in opts and rng.random() < 0.2
     hot = not rope and rng.random() < 0.1
 
-    kv_hi = 400 if rng.random() < 0.15 else 80  # long: many split chunks
-    budget = budget * 3 if kv_hi > 80 else budget
+    long = rng.random() < 0.15  # many split chunks
+    kv_hi = scaled(400 if long else 80)
+    budget = budget * 3 if long else budget
 
     def lengths(n):
         while True:
@@ -884,14 +979,14 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         if hot:
             b.q = (b.q.float() * 16).to(dtype)  # logits ~16x: peaked rows, LSEs in the hundreds
         perturb_batch(rng, b, case.config, "replan_" if "perturb" in case.config else "")
-        ref = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+        ref = oracle.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                     kv_layout=layout, causal=q_len > 1, k_scale=scale_value(k_scale),
                                     v_scale=scale_value(v_scale),
                                     custom_mask=tree_mask(trees, kv_lens) if tree else None, **opts)
-        return b, ref
+        return batch_on_device(b), ref
 
     def planned(backend, b, plan_kv_dtype, wrapper=None):
-        w = wrapper or serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), layout,
+        w = wrapper or serveattn.BatchDecodeWithPagedKVCacheWrapper(workspace(), layout,
                                                                     use_tensor_cores=use_tc, backend=backend)
         kw = dict(opts, q_data_type=dtype, kv_data_type=plan_kv_dtype, o_data_type=o_dtype, **split_kw)
         if q_len > 1:
@@ -901,6 +996,8 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         ok = guarded(case, lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim,
                                           page_size, **kw) or True,
                      rope_refusal if backend == "triton" else None)
+        if ok and backend == "auto":
+            case.config["route"] = w.backend  # where "auto" sent the plan (on a GPU: triton, cudnn, torch)
         return w if ok else None
 
     def single(backend, b, kv_pair):
@@ -915,14 +1012,15 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
         case.config["graph"] = [t[0].kv_indptr.numel() - 1 for t in (first, second)]
         cap = max(t[0].kv_indptr.numel() - 1 for t in (first, second))
         n_idx = max(t[0].kv_indices.numel() for t in (first, second))
-        graph_bufs = (torch.empty(cap + 1, dtype=I32), torch.empty(n_idx + 2, dtype=I32), torch.empty(cap, dtype=I32))
+        graph_bufs = on_device((torch.empty(cap + 1, dtype=I32), torch.empty(n_idx + 2, dtype=I32),
+                                torch.empty(cap, dtype=I32)))  # a graph's buffers live on the device
         if rng.random() < 0.3:  # FlashInfer's class for it (its backend: auto, the torch path on CPU)
             case.config["graph_class"] = True
             w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(1 << 20, dtype=torch.uint8), *graph_bufs, kv_layout=layout, use_tensor_cores=use_tc)
+                workspace(), *graph_bufs, kv_layout=layout, use_tensor_cores=use_tc)
         else:
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
-                torch.empty(1 << 20, dtype=torch.uint8), layout, use_cuda_graph=True, use_tensor_cores=use_tc,
+                workspace(), layout, use_cuda_graph=True, use_tensor_cores=use_tc,
                 paged_kv_indptr_buffer=graph_bufs[0], paged_kv_indices_buffer=graph_bufs[1],
                 paged_kv_last_page_len_buffer=graph_bufs[2], backend="triton")
 
@@ -990,7 +1088,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                                    num_kv_heads=hkv, head_dim=head_dim, page_size=page_size, dtype=dtype)
             rows = slice(int(b.qo_indptr[i]), int(b.qo_indptr[i + 1]))
             one.q, one.cache = b.q[rows], b.cache
-            one.kv_indptr = torch.tensor([0, p1 - p0], dtype=I32)
+            one.kv_indptr = on_index_device(torch.tensor([0, p1 - p0], dtype=I32))
             one.kv_indices, one.last_page_len = b.kv_indices[p0:p1].clone(), b.last_page_len[i:i + 1].clone()
             one.trees = None if b.trees is None else b.trees[i:i + 1]
             w_one = planned(backend, one, kv_dtype)
@@ -1030,20 +1128,17 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
     form = rng.choice(["5d", "tuple", "view"])
     causal = rng.random() < 0.5
     num_levels = rng.choice([1, 2, 2, 3])
-    opts = {}  # per-logit options compose over levels; a window (positions) does not, and is not drawn here
-    if rng.random() < 0.3:
-        opts["logits_soft_cap"] = round(rng.uniform(1.0, 30.0), 3)
-    if rng.random() < 0.35:
-        opts["sm_scale"] = round(rng.uniform(0.03, 0.4), 4)
+    # per-logit options compose over levels; a window (positions) does not, and is not drawn here
+    opts = draw_logit_options(rng, 0, 0.3, 0.35)
     k_scale, v_scale = draw_scales(rng, kv_dtype in FP8)
     return_lse = rng.random() < 0.75
     caller_bufs = rng.random() < 0.4
-    budget = max(60, 300 // (hq * head_dim // 64))
+    budget = max(60, scaled(300) // (hq * head_dim // 64))
 
     def structure(batch):
         """qo lens, per-level groups (consecutive requests sharing a segment) and segment lengths."""
         while True:
-            qo = [0 if (batch > 1 and rng.random() < 0.15) else rng.randint(1, 8) for _ in range(batch)]
+            qo = [0 if (batch > 1 and rng.random() < 0.15) else rng.randint(1, scaled(8)) for _ in range(batch)]
             groups, lens = [], []
             for lv in range(num_levels):
                 if lv == num_levels - 1:
@@ -1054,7 +1149,7 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
                         g.append(rng.randint(1, left))
                         left -= g[-1]
                 groups.append(g)
-                seg = [draw_kv_len(rng, page_size, 40) for _ in g]
+                seg = [draw_kv_len(rng, page_size, scaled(40)) for _ in g]
                 if lv == num_levels - 1 and causal:
                     seg = [max(s, q) for s, q in zip(seg, qo)]  # causal applies to the last level
                 lens.append(seg)
@@ -1095,13 +1190,13 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
             owner.append([first + j for j, n in enumerate(g) for _ in range(n)])
             first = z
         # the reference: each request's attention over its segments concatenated in level order
-        k_all, v_all, seg_ip = reference.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
+        k_all, v_all, seg_ip = oracle.gather_paged(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, layout)
         outs, lses, row = [], [], 0
         for r, n in enumerate(qo):
             segs = [owner[lv][r] for lv in range(num_levels)]
             k = torch.cat([k_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
             v = torch.cat([v_all[int(seg_ip[j]):int(seg_ip[j + 1])] for j in segs])
-            o, s_ = reference.attention(q[row:row + n], k, v, causal=causal, k_scale=scale_value(k_scale),
+            o, s_ = oracle.attention(q[row:row + n], k, v, causal=causal, k_scale=scale_value(k_scale),
                                         v_scale=scale_value(v_scale), **opts)
             outs.append(o)
             lses.append(s_)
@@ -1111,14 +1206,18 @@ def cascade_case(case: Case, rng: random.Random, gen: torch.Generator):
         splits = [0]
         for n in qo:
             splits.append(splits[-1] + n)
+        q, b.cache = on_device(q), on_device(b.cache)
+        arrays = {name: on_index_device(levels) for name, levels in arrays.items()}
         return q, b, arrays, ref_out, ref_lse, splits
 
     def planned(backend, plan_kv_dtype, arrays, w=None):
-        w = w or serveattn.MultiLevelCascadeAttentionWrapper(num_levels, torch.empty(1 << 20, dtype=torch.uint8),
+        w = w or serveattn.MultiLevelCascadeAttentionWrapper(num_levels, workspace(),
                                                              layout, backend=backend)
         ok = guarded(case, lambda: w.plan(arrays["qo"], arrays["indptr"], arrays["indices"], arrays["last"], hq, hkv,
                                           head_dim, page_size, causal=causal, q_data_type=dtype,
                                           kv_data_type=plan_kv_dtype, **opts) or True)
+        if ok and backend == "auto":
+            case.config["route"] = w.backend  # where "auto" sent the plan (on a GPU: triton, cudnn, torch)
         return w if ok else None
 
     q, b, arrays, ref_out, ref_lse, splits = build(qo, groups, lens)
@@ -1179,12 +1278,14 @@ def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
     if strided:  # views: v with head_dim stride 2, s with a state stride past its rows
         v = torch.stack([v, torch.zeros_like(v)], -1)[..., 0]
         s = torch.cat([s, torch.zeros_like(s)], 1)[:, :num_states]
-    ref_v, ref_s = reference.merge_states(v, s)
+    ref_v, ref_s = oracle.merge_states(v, s)
+    v, s = on_device(v), on_device(s)
     tol = 1e-5 if dtype == torch.float32 else tolerance(dtype)
 
     def check(what, got_v, got_s, want_v, want_s):
         if got_v.dtype != dtype or got_s.dtype != torch.float32:
             raise Mismatch(f"{what}: dtypes {got_v.dtype}, {got_s.dtype}")
+        got_v, got_s = got_v.cpu(), got_s.cpu()  # next to the CPU reference
         if torch.isnan(got_v).any() or torch.isnan(got_s).any():
             raise Mismatch(f"{what}: NaN in the merged state")
         none = torch.isinf(want_s)
@@ -1210,7 +1311,7 @@ def merge_case(case: Case, rng: random.Random, gen: torch.Generator):
         tv, ts = serveattn.merge_state(v[:, 0], s[:, 0], v[:, 1], s[:, 1], backend=backend)
         check(f"merge_state/{backend}", tv, ts, ref2_v, ref2_s)
         iv, is_ = v[:, 0].clone(), s[:, 0].clone()
-        keep = torch.rand(rows, generator=gen) < 0.6
+        keep = on_device(torch.rand(rows, generator=gen) < 0.6)
         serveattn.merge_state_in_place(iv, is_, v[:, 1], s[:, 1], backend=backend,
                                        mask=keep.to(torch.uint8) if rng.random() < 0.5 else keep)
         same_bits(f"merge_state_in_place/{backend}: merged rows", (iv[keep], is_[keep]), (tv[keep], ts[keep]))
@@ -1229,24 +1330,24 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
     layout = rng.choice(["NHD", "HND"])
     form = rng.choice(["5d", "tuple", "5d_view", "tuple_view"])
     batch = rng.randint(1, 5)
-    old = [draw_kv_len(rng, page_size, 40) for _ in range(batch)]
-    new = [rng.choice([0, 1, rng.randint(0, 20)]) for _ in range(batch)]
+    old = [draw_kv_len(rng, page_size, scaled(40)) for _ in range(batch)]
+    new = [rng.choice([0, 1, rng.randint(0, scaled(20))]) for _ in range(batch)]
     magnitude = rng.choice([1.0, 1.0, 100.0, 1e5])  # 1e5: past both formats' largest value (saturation)
     specials = quantize and rng.random() < 0.2  # inf / NaN in the appended K/V
     scales = None
     if quantize:
         ks, vs = round(rng.uniform(0.01, 4.0), 5), round(rng.uniform(0.01, 4.0), 5)
-        scales = (torch.tensor([ks]), torch.tensor([vs])) if rng.random() < 0.3 else (ks, vs)
+        scales = on_device((torch.tensor([ks]), torch.tensor([vs]))) if rng.random() < 0.3 else (ks, vs)
     case.config.update(api="append", cache=str(cache_dtype)[6:], src=str(src_dtype)[6:], heads=heads, d=head_dim,
                        page=page_size, layout=layout, form=form, old=old, new=new, magnitude=magnitude,
                        specials=specials, scales=None if scales is None else tuple(map(scale_value, scales)))
     lens = [o + n for o, n in zip(old, new)]
     pages = [-(-n // page_size) for n in lens]
     num_pages = sum(pages) + 3
-    kv_indices = torch.randperm(num_pages, generator=gen)[: sum(pages)].to(I32)
-    kv_indptr = torch.tensor([0] + [sum(pages[:i + 1]) for i in range(batch)], dtype=I32)
-    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=I32)
-    append_indptr = torch.tensor([0] + [sum(new[:i + 1]) for i in range(batch)], dtype=I32)
+    kv_indices = on_device(torch.randperm(num_pages, generator=gen)[: sum(pages)].to(I32))
+    kv_indptr = on_device(torch.tensor([0] + [sum(pages[:i + 1]) for i in range(batch)], dtype=I32))
+    last = on_device(torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, pages)], dtype=I32))
+    append_indptr = on_device(torch.tensor([0] + [sum(new[:i + 1]) for i in range(batch)], dtype=I32))
     nnz = sum(new)
     seq_lens = serveattn.get_seq_lens(kv_indptr, last, page_size)
     if seq_lens.tolist() != lens:
@@ -1256,7 +1357,7 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
     want_pos = [o + j for o, n in zip(old, new) for j in range(n)]
     if batch_indices.tolist() != want_bi or positions.tolist() != want_pos:
         raise Mismatch("get_batch_indices_positions: wrong targets")
-    order = torch.randperm(nnz, generator=gen)  # tokens need not arrive grouped by request
+    order = on_device(torch.randperm(nnz, generator=gen))  # tokens need not arrive grouped by request
     batch_indices, positions = batch_indices[order].contiguous(), positions[order].contiguous()
     key = torch.randn(nnz, heads, head_dim, generator=gen) * magnitude
     value = torch.randn(nnz, heads, head_dim, generator=gen) * magnitude
@@ -1266,6 +1367,7 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
     key, value = key.to(src_dtype), value.to(src_dtype)
     if not quantize and cache_dtype in FP8:
         key, value = (key.float() * 4).to(cache_dtype), (value.float() * 4).to(cache_dtype)
+    key, value = on_device(key), on_device(value)
     inner = (page_size, heads) if layout == "NHD" else (heads, page_size)
     view = form.endswith("_view")
     lo = 1 if view else 0
@@ -1275,16 +1377,17 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
         kv_axis = (2,) if form.startswith("5d") else ()
         bufs = [(torch.randn(num_pages + 4 * lo, *kv_axis, *inner, head_dim + 16 * lo, generator=g) * 2).to(cache_dtype)
                 for _ in range(1 if kv_axis else 2)]
+        bufs = on_device(bufs)  # the views below are of the moved buffers, as a server's cache would be
         views = [bb[lo:lo + num_pages, ..., 8 * lo:8 * lo + head_dim] for bb in bufs]
         return (views[0] if kv_axis else tuple(views)), bufs
 
     cache0, _ = fresh_cache()
     if quantize:
-        k_store = reference.quantize_fp8(key, scales[0], cache_dtype)
-        v_store = reference.quantize_fp8(value, scales[1], cache_dtype)
+        k_store = oracle.quantize_fp8(key, scales[0], cache_dtype)
+        v_store = oracle.quantize_fp8(value, scales[1], cache_dtype)
     else:
         k_store, v_store = key, value
-    want = reference.append_paged_kv_cache(k_store, v_store, batch_indices, positions, cache0, kv_indices, kv_indptr,
+    want = oracle.append_paged_kv_cache(k_store, v_store, batch_indices, positions, cache0, kv_indices, kv_indptr,
                                            last, layout)
     want = want if isinstance(want, tuple) else (want,)
     for backend in ("triton", "torch", "auto"):
@@ -1295,6 +1398,7 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
                                         layout, backend=backend, **kw)
         got = cache if isinstance(cache, tuple) else (cache,)
         for g_, w_ in zip(got, want):
+            g_ = g_.cpu()  # next to the CPU reference
             if not torch.equal(bits(g_.contiguous()), bits(w_.contiguous())):
                 bad = (bits(g_.contiguous()) != bits(w_.contiguous())).sum().item()
                 raise Mismatch(f"append/{backend}: {bad} bytes differ from the reference")
@@ -1302,7 +1406,7 @@ def append_case(case: Case, rng: random.Random, gen: torch.Generator):
             for bb, b0 in zip(bufs, before):
                 outside = torch.ones(bb.shape, dtype=torch.bool)
                 outside[lo:lo + num_pages, ..., 8 * lo:8 * lo + head_dim] = False
-                if not torch.equal(bits(bb)[outside], bits(b0)[outside]):
+                if not torch.equal(bits(bb.cpu())[outside], bits(b0.cpu())[outside]):
                     raise Mismatch(f"append/{backend}: wrote outside the cache view")
 
 
@@ -1353,18 +1457,19 @@ class Recycler:
         return build
 
 
-def run_case(family: str, seed: int, recycle=None) -> Case:
-    """One case: the configuration follows from (family, seed) alone. recycle (by default drawn from the seed, one
-    case in four): first run four other seeds of the family, keeping their wrappers, then this case on them."""
+def run_case(family: str, seed: int, recycle=None, device="cpu") -> Case:
+    """One case: the configuration follows from (family, seed) alone (and --scale), whatever the device. recycle (by
+    default drawn from the seed, one case in four): first run four other seeds of the family, keeping their wrappers,
+    then this case on them."""
     if recycle is None:
         recycle = random.Random(f"recycle:{family}:{seed}").random() < 0.25
     if not recycle:
-        return _run_one(family, seed)
+        return _run_one(family, seed, device)
     with Recycler() as recycler:
         recycler.mode = "record"
-        warm = [_run_one(family, seed + 1000003 * i) for i in (1, 2, 3, 4)]
+        warm = [_run_one(family, seed + 1000003 * i, device) for i in (1, 2, 3, 4)]
         recycler.mode = "reuse"
-        case = _run_one(family, seed)
+        case = _run_one(family, seed, device)
     case.config["recycled_after"] = [w.seed for w in warm]
     for w in warm:  # a warm-up seed's own failure is reported here too
         case.failures += [f"(warm-up seed {w.seed}) {f}" for f in w.failures]
@@ -1372,13 +1477,26 @@ def run_case(family: str, seed: int, recycle=None) -> Case:
     return case
 
 
-def _run_one(family: str, seed: int) -> Case:
-    case = Case(family, seed)
+def use_device(device, family: str, seed: int) -> str:
+    """Sets DEVICE and INDEX_DEVICE for one case: a plan's index tensors on the device or on the host (FlashInfer
+    takes both), drawn from a stream of its own so that the case's draws do not depend on the device."""
+    global DEVICE, INDEX_DEVICE
+    DEVICE = torch.device(device)
+    on_host = random.Random(f"index:{family}:{seed}").random() < 0.5
+    INDEX_DEVICE = torch.device("cpu") if on_host else DEVICE
+    return "host" if on_host else "device"
+
+
+def _run_one(family: str, seed: int, device="cpu") -> Case:
+    case = Case(family, seed, device=str(device), scale=SCALE)
+    case.config["index_on"] = use_device(device, family, seed)
     rng = random.Random(f"{family}:{seed}")
-    gen = torch.Generator().manual_seed(seed * 4 + FAMILIES.index(family))
+    gen = torch.Generator().manual_seed(seed * 4 + FAMILIES.index(family))  # CPU draws: the same on any device
     t0 = time.time()
     try:
         CASES[family](case, rng, gen)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()  # an asynchronous kernel fault belongs to this case, not the next
     except Mismatch as exc:
         case.failures.append(str(exc))
     except (ValueError, NotImplementedError) as exc:  # raised outside guarded(): a call the case expected to pass
@@ -1391,6 +1509,12 @@ def _run_one(family: str, seed: int) -> Case:
     return case
 
 
+def sticky_cuda_error(failure: str) -> bool:
+    """A fault that leaves the CUDA context unusable (every later call fails with it)."""
+    return any(s in failure for s in ("illegal memory access", "unspecified launch failure", "device-side assert",
+                                      "misaligned address", "illegal instruction"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=50, help="how many seeds")
@@ -1398,8 +1522,13 @@ def main(argv=None):
     ap.add_argument("--family", choices=FAMILIES + ("all",), default="all",
                     help="'all' rotates the families over the seeds (seed %% 4)")
     ap.add_argument("--time-limit", type=float, default=None, help="stop starting cases after this many seconds")
+    ap.add_argument("--device", default="cpu",
+                    help="where the inputs live: cpu (Triton's interpreter) or cuda (the compiled kernels)")
+    ap.add_argument("--scale", type=int, default=1, help="multiply the drawn lengths and token budgets")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case's configuration")
     args = ap.parse_args(argv)
+    global SCALE
+    SCALE = args.scale
     t0 = time.time()
     ran, failed = collections.Counter(), []
     refusals = collections.Counter()
@@ -1408,7 +1537,7 @@ def main(argv=None):
             print(f"time limit reached after {sum(ran.values())} cases")
             break
         fam = family_of(args.family, seed)
-        case = run_case(fam, seed)
+        case = run_case(fam, seed, device=args.device)
         ran[fam] += 1
         for expected, msg in case.refusals:
             refusals[("expected" if expected else "UNEXPECTED", msg[:120])] += 1
@@ -1416,13 +1545,16 @@ def main(argv=None):
             failed.append(case)
             print(f"FAIL {fam} seed={seed} ({case.seconds:.1f}s): {case.failures[0]} | repro: {case.repro()} | "
                   f"config: {short(case.config)}", flush=True)
+            if args.device.startswith("cuda") and any(sticky_cuda_error(f) for f in case.failures):
+                print("a CUDA error the process cannot recover from: stopping (later cases would all fail)")
+                break
         elif args.verbose:
             print(f"ok   {fam} seed={seed} ({case.seconds:.1f}s): {short(case.config)}", flush=True)
         if sum(ran.values()) % 100 == 0:
             print(f"... {sum(ran.values())} cases, {len(failed)} failed, {time.time() - t0:.0f}s", flush=True)
     total = sum(ran.values())
-    print(f"\n{total} cases ({', '.join(f'{k} {v}' for k, v in sorted(ran.items()))}) in {time.time() - t0:.0f}s; "
-          f"{len(failed)} failed")
+    print(f"\n{total} cases ({', '.join(f'{k} {v}' for k, v in sorted(ran.items()))}) on {args.device} "
+          f"(scale {args.scale}) in {time.time() - t0:.0f}s; {len(failed)} failed")
     for (kind, msg), n in sorted(refusals.items()):
         print(f"  refusal ({kind}) x{n}: {msg}")
     for case in failed:

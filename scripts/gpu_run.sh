@@ -29,6 +29,7 @@
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh probe-direct-launch     # GPU tests with the direct launcher, then run() host us with it off / on
 #   scripts/gpu_run.sh probe-decode-fold       # decode GPU tests with the slot fold, then kernel times block / slot fold
+#   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
 #   BENCH_ARGS="--peers flash,cudnn --measure-ceilings" scripts/gpu_run.sh bench-prefill
@@ -143,6 +144,14 @@ step_probe_host() {  # decode plan()/run() host us (and FlashInfer's, after fi-s
 step_probe_host_prefill() {  # prefill run() host us against its GPU time and the bare launch (PROBE_HOST_ARGS: --profile)
   timeout "${PROBE_HOST_TIMEOUT:-120}" python3 scripts/probe_host.py --prefill ${PROBE_HOST_ARGS:-} 2>&1 | tee "$OUT/probe-host-prefill.txt"
   return "${PIPESTATUS[0]}"
+}
+
+step_fuzz() {  # the differential fuzzer on the GPU: the compiled kernels, fast launch, replays, Gluon, cuDNN routes
+  # --time-limit stops starting cases; the timeout's margin lets the last case (and a cold Triton compile) finish
+  local seconds=${FUZZ_SECONDS:-240}
+  timeout -k 10 $((seconds + 120)) python3 scripts/fuzz.py --device cuda --family all --time-limit "$seconds" \
+    --start "${FUZZ_START:-0}" --seeds 1000000 --scale "${FUZZ_SCALE:-1}" 2>&1 | tee "$OUT/fuzz.txt"
+  return "${PIPESTATUS[0]}"  # fuzz.py exits 1 when any case failed
 }
 
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)
