@@ -414,7 +414,7 @@ step_probe_decode_fold() {  # next/decode-fold: the split-KV fold slot by slot (
   return "${PIPESTATUS[0]}"
 }
 
-step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
+bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (default prefill)
   local family=${3:-prefill}
   echo "== $2: python -m serveattn.bench $family $1 $BENCH_ARGS (timeout ${BENCH_TIMEOUT}s)"
   # shellcheck disable=SC2086  # word splitting of the argument strings is intended
@@ -425,44 +425,32 @@ step_bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: fam
   return "$rc"
 }
 
-# A step is a function step_<name, dashes as underscores> (a new step needs only its function), or a bench.
-run_step() {
-  case "$1" in
-    bench-prefill) step_bench "" bench-prefill ;;
-    bench-prefill-quick) step_bench "--quick" bench-prefill-quick ;;
-    bench-decode) step_bench "" bench-decode decode ;;
-    bench-decode-quick) step_bench "--quick" bench-decode-quick decode ;;
-    bench-fp8) step_bench "" bench-fp8 fp8 ;;
-    bench-fp8-quick) step_bench "--quick" bench-fp8-quick fp8 ;;
-    bench-crossover) step_bench "--routing-md $OUT/routing.md" bench-crossover crossover ;;
-    bench-crossover-quick) step_bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover ;;
-    bench-verify) step_bench "" bench-verify verify ;;
-    *) "step_${1//-/_}" ;;
-  esac
-}
+# The benches: one step each, through bench() (its arguments as in its comment)
+step_bench_prefill() { bench "" bench-prefill; }
+step_bench_prefill_quick() { bench "--quick" bench-prefill-quick; }
+step_bench_decode() { bench "" bench-decode decode; }
+step_bench_decode_quick() { bench "--quick" bench-decode-quick decode; }
+step_bench_fp8() { bench "" bench-fp8 fp8; }
+step_bench_fp8_quick() { bench "--quick" bench-fp8-quick fp8; }
+step_bench_crossover() { bench "--routing-md $OUT/routing.md" bench-crossover crossover; }
+step_bench_crossover_quick() { bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover; }
+step_bench_verify() { bench "" bench-verify verify; }
 
-known_step() {
-  case "$1" in
-    bench-prefill|bench-prefill-quick|bench-decode|bench-decode-quick|bench-fp8|bench-fp8-quick) return 0 ;;
-    bench-crossover|bench-crossover-quick|bench-verify) return 0 ;;
-    bench) return 1 ;;  # step_bench is the benches' helper, not a step
-  esac
-  declare -F "step_${1//-/_}" > /dev/null
-}
+# A step is a function step_<name, dashes as underscores>: a new step needs only its function.
+known_step() { declare -F "step_${1//-/_}" > /dev/null; }
 
 # every step checked before any runs (a typo must not cost a device call's other steps)
 for s in "${STEPS[@]}"; do
   if ! known_step "$s"; then
-    steps=$(declare -F | sed -n 's/^declare -f step_//p' | grep -vx bench | tr _ - | tr '\n' ' ')
-    echo "gpu_run.sh: unknown step '$s'; steps are: bench-prefill[-quick] bench-decode[-quick] bench-fp8[-quick] \
-bench-crossover[-quick] bench-verify $steps" >&2
+    steps=$(declare -F | sed -n 's/^declare -f step_//p' | tr _ - | tr '\n' ' ')
+    echo "gpu_run.sh: unknown step '$s'; steps are: $steps" >&2
     exit 2
   fi
 done
 
 for s in "${STEPS[@]}"; do
   t=$SECONDS
-  run_step "$s"
+  "step_${s//-/_}"
   RC[$s]=$?
   echo "== $s: exit ${RC[$s]} after $((SECONDS - t)) s"
 done
