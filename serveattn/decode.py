@@ -284,7 +284,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_data_type=q_data_type,
             kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, q_len_per_req=q_len_per_req, tree=tree is not None,
-            use_tensor_cores=self._use_tensor_cores, use_cuda_graph=self._use_cuda_graph),
+            use_tensor_cores=self._use_tensor_cores, use_cuda_graph=self._use_cuda_graph,
+            batch_invariant=fixed_split_size is not None or bool(disable_split_kv)),
             self.device, self._graph_route)
         route = decision.backend
         if route == "torch" or decision.kernel == routing.TENSOR_CORE:

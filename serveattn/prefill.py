@@ -261,7 +261,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
               graph_max_qo: Optional[int] = None, graph_split_kv: bool = False,
               tree_mask: Optional[torch.Tensor] = None, held: Optional[routing.Decision] = None,
-              workspace_bytes: int = 0, split: tuple = (None, False)) -> Plan:
+              workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
@@ -271,7 +271,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     graph_split_kv: under use_cuda_graph=True, every plan takes split-KV's items (decode's tensor-core route).
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
     workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit.
-    split: (fixed_split_size, disable_split_kv) as plan() took them."""
+    split: (fixed_split_size, disable_split_kv) as plan() took them.
+    batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
+    tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
+    any others (tile rows and warps change the tensor-core instructions). The decode wrapper's requests all have
+    q_len_per_req rows: its tiles never follow the batch."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -332,13 +336,13 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, causal=causal, custom_mask=mask_host is not None,
         tree=tree_mask is not None, window_left=window_left, soft_cap=logits_soft_cap,
         rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens,
-        kv_lens=kv_lens) if backend == "auto" and held is None else None
+        kv_lens=kv_lens, batch_invariant=batch_invariant) if backend == "auto" and held is None else None
     decision = routing.choose_prefill(entry, backend, request, device, held)
     chosen = decision.backend
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
     max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
-    max_qo = graph_max_qo if graph_tiles else max_qo_len if batch else 1
+    max_qo = graph_max_qo if graph_tiles else None if batch_invariant else max_qo_len if batch else 1
     if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
                              f"per request; the plan has {max_qo_len}.")
@@ -869,19 +873,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              o_data_type=None, non_blocking=True, *positional_rest, seq_lens=None, fixed_split_size=None,
              disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv (FlashInfer's, which vLLM passes for batch-invariant results): chunks
-        of that many KV tokens for every longer request, or no split-KV (split_chunk)."""
+        of that many KV tokens for every longer request, or no split-KV (split_chunk); with either given neither
+        the tiles nor backend='auto''s route follow the batch (make_plan), so a request's bits never depend on it."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
         policy.check_split_size(self._entry + ".plan", fixed_split_size)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-                         q_data_type, kv_data_type, o_data_type, split=(fixed_split_size, disable_split_kv))
+                         q_data_type, kv_data_type, o_data_type, split=(fixed_split_size, disable_split_kv),
+                         batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
 
     def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
                     packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
                     logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
-                    kv_data_type=None, o_data_type=None, tree_mask=None, split=(None, False)):
+                    kv_data_type=None, o_data_type=None, tree_mask=None, split=(None, False),
+                    batch_invariant=False):
         plan = make_plan(
             self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
             kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
@@ -892,7 +899,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, tree_mask=tree_mask, held=self._held,
-            workspace_bytes=self._split_bytes(), split=split)
+            workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
@@ -974,8 +981,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, held=self._held,
-            workspace_bytes=self._split_bytes(),
-            split=(fixed_split_size, disable_split_kv))
+            workspace_bytes=self._split_bytes(), split=(fixed_split_size, disable_split_kv),
+            batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,

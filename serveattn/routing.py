@@ -170,6 +170,9 @@ class Request:
     max_kv_len: int = 1
     q_len_per_req: int = 1  # decode
     use_tensor_cores: bool = False  # decode
+    # fixed_split_size or disable_split_kv given (FlashInfer's batch-invariance arguments): the route may not
+    # follow the batch's sizes, so a request gets the same bits alone or in any batch
+    batch_invariant: bool = False
 
     @property
     def group(self) -> int:
@@ -222,7 +225,8 @@ def _int_or(value, default: int) -> int:
 
 
 def prefill_request(device, *, paged, q_dtype, kv_dtype, o_dtype, head_dim, num_qo_heads, num_kv_heads, causal,
-                    custom_mask, tree, window_left, soft_cap, rope, use_cuda_graph, qo_lens, kv_lens) -> Request:
+                    custom_mask, tree, window_left, soft_cap, rope, use_cuda_graph, qo_lens, kv_lens,
+                    batch_invariant: bool = False) -> Request:
     """The request of a validated prefill plan (lengths as int tensors on the host)."""
     info = device_info(device)
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)  # host tensors: numpy views, cheaper reductions
@@ -233,12 +237,13 @@ def prefill_request(device, *, paged, q_dtype, kv_dtype, o_dtype, head_dim, num_
         paged=paged, causal=bool(causal), custom_mask=bool(custom_mask), tree=bool(tree), window_left=window_left,
         soft_cap=float(soft_cap or 0.0), rope=bool(rope), use_cuda_graph=bool(use_cuda_graph), batch=batch,
         min_qo_len=int(qo_lens.min()) if batch else 0, max_qo_len=int(qo_lens.max()) if batch else 0,
-        min_kv_len=int(kv_lens.min()) if batch else 0, max_kv_len=int(kv_lens.max()) if batch else 0)
+        min_kv_len=int(kv_lens.min()) if batch else 0, max_kv_len=int(kv_lens.max()) if batch else 0,
+        batch_invariant=bool(batch_invariant))
 
 
 def decode_request(device, *, batch, num_qo_heads, num_kv_heads, head_dim, q_data_type, kv_data_type,
                    pos_encoding_mode, window_left, logits_soft_cap, q_len_per_req, tree, use_tensor_cores,
-                   use_cuda_graph) -> Request:
+                   use_cuda_graph, batch_invariant: bool = False) -> Request:
     """The request of a decode plan, read before validation: values policy will refuse become harmless."""
     q_dtype = _dtype_or(q_data_type, torch.float16)
     return _decode_request(
@@ -246,19 +251,20 @@ def decode_request(device, *, batch, num_qo_heads, num_kv_heads, head_dim, q_dat
         _int_or(head_dim, 0), max(1, _int_or(num_qo_heads, 1)), max(1, _int_or(num_kv_heads, 1)), bool(tree),
         _int_or(window_left, -1), float(logits_soft_cap) if isinstance(logits_soft_cap, (int, float)) else 0.0,
         isinstance(pos_encoding_mode, str) and pos_encoding_mode == "ROPE_LLAMA", bool(use_cuda_graph),
-        max(0, int(batch)), _int_or(q_len_per_req, 1), bool(use_tensor_cores))
+        max(0, int(batch)), _int_or(q_len_per_req, 1), bool(use_tensor_cores), bool(batch_invariant))
 
 
 @functools.lru_cache(maxsize=1024, typed=True)
 def _decode_request(info, q_dtype, kv_dtype, head_dim, num_qo_heads, num_kv_heads, tree, window_left, soft_cap,
-                    rope, use_cuda_graph, batch, q_len_per_req, use_tensor_cores) -> Request:
+                    rope, use_cuda_graph, batch, q_len_per_req, use_tensor_cores, batch_invariant) -> Request:
     """Built once per distinct request (a frozen dataclass of 26 fields costs microseconds per plan); the
     arguments are normalized plain values, so equal arguments make equal requests."""
     return Request(
         kind="decode", device_type=info.type, arch=info.arch, num_sms=info.num_sms, q_dtype=q_dtype,
         kv_dtype=kv_dtype, o_dtype=q_dtype, head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         paged=True, causal=False, tree=tree, window_left=window_left, soft_cap=soft_cap, rope=rope,
-        use_cuda_graph=use_cuda_graph, batch=batch, q_len_per_req=q_len_per_req, use_tensor_cores=use_tensor_cores)
+        use_cuda_graph=use_cuda_graph, batch=batch, q_len_per_req=q_len_per_req, use_tensor_cores=use_tensor_cores,
+        batch_invariant=batch_invariant)
 
 
 # ---------------------------------------------------------------- decline reasons: one producer each
@@ -362,6 +368,12 @@ def cudnn_causal_offset() -> str:
 @_producer
 def cudnn_short() -> str:
     return f"cudnn: a request needs at least 1 query row and {CUDNN_MIN_KV} keys (cuDNN SDPA refuses kv length 1)."
+
+
+@_producer
+def cudnn_batch_invariant() -> str:
+    return ("cudnn: a plan given fixed_split_size or disable_split_kv stays on our kernel, whose bits do not depend "
+            "on the batch; the cuDNN route is chosen by the batch's lengths.")
 
 
 @_producer
@@ -469,6 +481,12 @@ def tensor_core_hint_overruled(table: str) -> str:
             f"backend='triton' takes the flag literally.")
 
 
+@_producer
+def crossover_batch_invariant(declined: str) -> str:
+    return (f"{declined}: a plan given fixed_split_size or disable_split_kv takes use_tensor_cores literally under "
+            f"backend='auto' (the measured crossover follows the batch's size, and each kernel has its own bits).")
+
+
 # ---------------------------------------------------------------- capability (plain arguments)
 
 def torch_declines(req: Request) -> Optional[str]:
@@ -531,6 +549,8 @@ def cudnn_declines(req: Request) -> Optional[str]:
         return cudnn_head_dim()
     if req.use_cuda_graph:
         return cudnn_cuda_graph()
+    if req.batch_invariant:
+        return cudnn_batch_invariant()
     if not req.equal_lengths:
         return cudnn_unequal_lengths()
     if req.batch == 0 or req.min_qo_len < 1 or req.min_kv_len < CUDNN_MIN_KV:
@@ -565,7 +585,9 @@ def decode_tensor_cores(req: Request) -> Tuple[bool, Optional[str]]:
     """For a request the bandwidth kernel can serve: (take the tensor-core route?, the declined route's reason).
     use_tensor_cores=True is FlashInfer's speed hint: taken where the table has no measurement for the request's
     kind (no reason then), overruled where it measured the bandwidth kernel (tensor cores too, over the group's
-    query heads, with split-KV) faster."""
+    query heads, with split-KV) faster. A batch-invariant plan takes the hint literally."""
+    if req.batch_invariant:
+        return req.use_tensor_cores, crossover_batch_invariant(BANDWIDTH if req.use_tensor_cores else TENSOR_CORE)
     table = table_for(req.arch)
     key = (dtype_name(req.kv_dtype), req.head_dim, req.group)
     if table is None or key not in table.decode_tc_min_programs_per_sm:

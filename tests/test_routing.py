@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import serveattn
-from serveattn import reference, routing, vendor
+from serveattn import prefill, reference, routing, vendor
 from helpers import check_lse, make_paged_batch, rel_err, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -130,6 +130,9 @@ TRIGGERS = {
                                               _prefill_reason(_rows(MIN_ROWS + 16)))[1],
                               (MIN_ROWS + 16, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
+    "cudnn_batch_invariant": (lambda mp, fg: routing.cudnn_declines(pf(batch_invariant=True)), ()),
+    "crossover_batch_invariant": (lambda mp, fg: _decode_reason(dec(batch=64, batch_invariant=True)),
+                                  ("tensor-core",)),
     "bandwidth_rows": (lambda mp, fg: routing.bandwidth_declines(dec(q_len_per_req=17)), ()),  # 17 x group 4 > 32
     "bandwidth_tree": (lambda mp, fg: routing.bandwidth_declines(dec(tree=True)), ()),
     "bandwidth_rope": (lambda mp, fg: routing.bandwidth_declines(dec(rope=True)), ()),
@@ -175,6 +178,7 @@ def test_prefill_choices(monkeypatch):
         return routing.choose_prefill("t", "auto", req, "cuda:0")
 
     assert choose(PF) == routing.Decision("cudnn")
+    assert choose(pf(batch_invariant=True)) == routing.Decision("triton", reasons=(routing.cudnn_batch_invariant(),))
     assert choose(pf(min_qo_len=MIN_ROWS, max_qo_len=MIN_ROWS, min_kv_len=MIN_ROWS,
                      max_kv_len=MIN_ROWS)).backend == "cudnn"
     for req, reason in ((pf(paged=True), routing.cudnn_paged()),
@@ -221,6 +225,12 @@ def test_decode_choices():
     assert choose(dec(batch=256, arch=(8, 0))) == routing.Decision(
         "triton", "bandwidth", (routing.unmeasured_arch("tensor-core"),))
     assert choose(dec(device_type="cpu")).backend == "torch"
+    # fixed_split_size / disable_split_kv given: use_tensor_cores is taken literally, whatever the batch
+    for batch in (1, 31, 32, 256):
+        for tc in (False, True):
+            declined = "bandwidth" if tc else "tensor-core"
+            assert choose(dec(batch=batch, use_tensor_cores=tc, batch_invariant=True)) == routing.Decision(
+                "triton", "tensor-core" if tc else "bandwidth", (routing.crossover_batch_invariant(declined),))
 
 
 def test_explicit_decode_backend_takes_use_tensor_cores_literally(device):
@@ -352,6 +362,13 @@ def test_prefill_wrapper_reresolves_at_every_plan(monkeypatch, fake_gpu):
         _, _, _, indptr = _ragged(lens, BF16)
         w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16)
         assert (w.backend, w.backend_fallback_reason) == (backend, reason), lens
+    # fixed_split_size / disable_split_kv: never cuDNN (its choice follows the batch), and the tiles do not follow it
+    for lens in ([8, 8], [9, 9, 9], [1, 40]):
+        _, _, _, indptr = _ragged(lens, BF16)
+        for split in (dict(fixed_split_size=256), dict(disable_split_kv=True)):
+            w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16, **split)
+            assert (w.backend, w.backend_fallback_reason) == ("triton", routing.cudnn_batch_invariant()), lens
+            assert w._plan.tiles == prefill.choose_tiles(64, 2, None, w.device, paged=False)
     # the paged wrapper never takes cuDNN, and says why
     b = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[8, 8], kv_lens=[8, 8], num_qo_heads=4,
                          num_kv_heads=2, head_dim=64, page_size=4, dtype=BF16)
