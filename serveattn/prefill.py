@@ -374,8 +374,12 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split) \
             if items else None
-        if chunk is not None and 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) > \
-                workspace_bytes:
+        need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
+        if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
+            policy.refuse(entry, f"float_workspace_buffer holds {workspace_bytes} bytes for split-KV but "
+                                 f"fixed_split_size={split[0]} needs {need} bytes of partial states for this batch; "
+                                 f"pass a larger workspace (or disable_split_kv=True).")
+        if need > workspace_bytes:
             chunk = None  # the partial states would not fit: unsplit
         if chunk is not None:
             work, n, plan.merge_rows, plan.num_merge, plan.split_rows = build_split_work(

@@ -21,7 +21,9 @@ def _alone(b, qo, pages):
             b.last_page_len[:1])
 
 
-@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=512)], ids=["disable", "fixed"])
+# fixed 1024: request 0 (700 keys) is unsplit alone (the unsplit kernel) and an unsplit item of the batch's split plan
+@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=512),
+                                   dict(fixed_split_size=1024)], ids=["disable", "fixed512", "fixed1024"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_prefill_request_alone_is_its_rows_in_a_batch(split, causal, backend):

@@ -332,6 +332,19 @@ def test_flashinfers_split_arguments(device):
     for kw, split in ((dict(fixed_split_size=64), True), (dict(disable_split_kv=True), False)):
         d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
         assert (d._prefill._plan.num_merge > 0) == split, kw
+    # fixed_split_size promises the same chunks whatever the batch: partial states that do not fit are refused
+    # (quietly unsplit, a long request's bits would follow the batch), and the wrapper's plan holds
+    small = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(4096, dtype=torch.uint8, device=device),
+                                                          backend="triton")
+    small.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               q_data_type=torch.bfloat16)  # the chunk left to the library: unsplit where it does not fit
+    before = small._plan
+    assert before.split is None
+    with pytest.raises(ValueError, match=r"holds 4096 bytes for split-KV but fixed_split_size=100 needs \d+ bytes "
+                                         r"of partial states for this batch; pass a larger workspace"):
+        small.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+                   q_data_type=torch.bfloat16, fixed_split_size=100)
+    assert small._plan is before
 
 
 @pytest.mark.gpu
