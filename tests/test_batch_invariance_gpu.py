@@ -43,7 +43,8 @@ def test_prefill_request_alone_is_its_rows_in_a_batch(split, causal, backend):
     assert torch.equal(out1, out[: qo_lens[0]]) and torch.equal(lse1, lse[: qo_lens[0]])
 
 
-@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=256)], ids=["disable", "fixed"])
+@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=256),
+                                   dict(fixed_split_size=1024)], ids=["disable", "fixed256", "fixed1024"])
 @pytest.mark.parametrize("use_tensor_cores", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_decode_request_alone_is_its_row_in_a_batch(split, use_tensor_cores, backend):
