@@ -272,7 +272,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
-        policy.check_split_size(entry, fixed_split_size)
+        fixed_split_size = policy.split_size(entry, fixed_split_size)
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name
             kv_data_type = data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per

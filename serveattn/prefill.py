@@ -880,7 +880,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         of that many KV tokens for every longer request, or no split-KV (split_chunk); with either given neither
         the tiles nor backend='auto''s route follow the batch (make_plan), so a request's bits never depend on it."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        policy.check_split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -975,7 +975,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              *positional_rest, fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        policy.check_split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
             last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

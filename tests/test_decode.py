@@ -275,6 +275,8 @@ def test_decode_refusals(device):
         w.plan(*args[:5], 80, 4, q_data_type=torch.float16)
     with pytest.raises(ValueError, match="fixed_split_size=0 must be a positive int"):
         w.plan(*args, q_data_type=torch.float16, fixed_split_size=0)
+    serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton").plan(  # FlashInfer's "not fixed" (vLLM's)
+        *args, q_data_type=torch.float16, fixed_split_size=-1)
     with pytest.raises(ValueError, match="must be int32"):
         w.plan(b.kv_indptr.long(), *args[1:], q_data_type=torch.float16)
     with pytest.raises(ValueError, match="use_cuda_graph=True needs paged_kv_indptr_buffer"):

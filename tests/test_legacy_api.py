@@ -148,14 +148,18 @@ def test_run_keywords_of_later_flashinfers(device):
 
 
 def test_prefill_plan_takes_flashinfers_split_arguments(device):
-    """vLLM passes fixed_split_size / disable_split_kv to prefill plans too (batch-invariant results): taken, and
-    a fixed_split_size that is not a positive int refused as decode's plan() refuses it."""
+    """vLLM passes fixed_split_size / disable_split_kv to prefill plans too (batch-invariant results; -1 and False
+    otherwise): taken, and a fixed_split_size that is not a positive int (or -1) refused as decode's plan() does."""
     b = _batch(device)
     want = _paged(device, b).run(b.q, b.cache)
-    for kw in (dict(disable_split_kv=True), dict(fixed_split_size=64), dict(fixed_split_size=None)):
+    # -1: FlashInfer's "not fixed", which vLLM passes outside its batch-invariant mode
+    for kw in (dict(disable_split_kv=True), dict(fixed_split_size=64), dict(fixed_split_size=None),
+               dict(fixed_split_size=-1, disable_split_kv=False)):
         assert torch.equal(_paged(device, b, **kw).run(b.q, b.cache), want)
-    with pytest.raises(ValueError, match="fixed_split_size=0 must be a positive int"):
-        _paged(device, b, fixed_split_size=0)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=rf"fixed_split_size={bad} must be a positive int \(KV tokens per "
+                                             rf"chunk\), or -1 or None for the library's choice"):
+            _paged(device, b, fixed_split_size=bad)
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
     with pytest.raises(ValueError, match="fixed_split_size=True must be a positive int"):
         r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, q_data_type=BF16, fixed_split_size=True)

@@ -369,6 +369,10 @@ def test_prefill_wrapper_reresolves_at_every_plan(monkeypatch, fake_gpu):
             w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16, **split)
             assert (w.backend, w.backend_fallback_reason) == ("triton", routing.cudnn_batch_invariant()), lens
             assert w._plan.tiles == prefill.choose_tiles(64, 2, None, w.device, paged=False)
+    # -1 / False (what vLLM passes outside its batch-invariant mode) are FlashInfer's "not set": auto routes as ever
+    _, _, _, indptr = _ragged([8, 8], BF16)
+    w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16, fixed_split_size=-1, disable_split_kv=False)
+    assert (w.backend, w.backend_fallback_reason) == ("cudnn", None)
     # the paged wrapper never takes cuDNN, and says why
     b = make_paged_batch(torch.Generator().manual_seed(0), qo_lens=[8, 8], kv_lens=[8, 8], num_qo_heads=4,
                          num_kv_heads=2, head_dim=64, page_size=4, dtype=BF16)
