@@ -10,7 +10,8 @@ and, where cheap, "auto", and checks what ../shared/API.md promises:
 - base-2 LSE close to the reference's;
 - a second run bitwise equal to the first; a re-plan to another batch and back gives the first bits again;
 - an fp8 KV cache bitwise equal to the same call on cache.to(q.dtype) with the same scales;
-- one request planned alone bitwise equal to its rows in the batch (prefill; decode with a fixed or no split);
+- one request planned alone bitwise equal to its rows in the batch (prefill; decode with a fixed or no split), and
+  so with a batch-invariant plan (disable_split_kv=True under backend="auto") whatever the tiles;
 - one plan under a random mix of kinds of call (lse or not, no / float / tensor scales, other cache tensors or
   strides, a caller's out) bitwise equal to a fresh plan's call of each kind;
 - forward()'s per-call settings, then run() with the plan's own bits;
@@ -582,7 +583,8 @@ def prefill_plan_kwargs(d: PrefillDraw, qo, kv, mask, kv_dtype):
 class PrefillRunner:
     """One entry point planned for one batch: call(kv, out, lse) -> (out, lse). kv: the paged cache, or (k, v)."""
 
-    def __init__(self, case, d: PrefillDraw, backend, b, mask, qo, kv, kv_dtype):
+    def __init__(self, case, d: PrefillDraw, backend, b, mask, qo, kv, kv_dtype, plan_extra=None):
+        """plan_extra: more plan() arguments (a batch-invariant plan's disable_split_kv)."""
         self.d, self.b, self.backend = d, b, backend
         self.wrapper = None
         self.ok = True
@@ -595,7 +597,7 @@ class PrefillRunner:
             elif d.mask_mode == "packed":
                 self.single_kw["packed_custom_mask"] = serveattn.packbits(on_device(mask), bitorder="little")
             return
-        kw = prefill_plan_kwargs(d, qo, kv, mask, kv_dtype)
+        kw = dict(prefill_plan_kwargs(d, qo, kv, mask, kv_dtype), **(plan_extra or {}))
         if d.api == "ragged":
             k, v, ip = ragged_from_paged(b, d.layout, d.form == "view")
             self.kv = (k, v)
@@ -786,6 +788,15 @@ def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what
     same_alone(case, f"{what}: request {i} planned alone vs its rows in the batch", tiles_of(batch_wrapper),
                tiles_of(alone.wrapper), (out, lse), (want_out[q0:q1], None if want_lse is None else want_lse[q0:q1]),
                torch.bfloat16 if torch.bfloat16 in (d.dtype, out_dtype) else torch.float16)
+    # batch-invariant plans (vLLM's mode passes disable_split_kv=True; auto must not route by the batch either):
+    # bitwise, whatever the tiles above. No random draw here: a seed keeps its case.
+    invariant = dict(disable_split_kv=True)
+    batch_run = PrefillRunner(case, d, "auto", b, mask, qo, kv, d.kv_dtype, plan_extra=invariant)
+    alone_run = PrefillRunner(case, d, "auto", one, one_mask, [qo[i]], [kv[i]], d.kv_dtype, plan_extra=invariant)
+    if batch_run.ok and alone_run.ok:
+        got_out, got_lse = batch_run()
+        same_bits(f"{what}: batch-invariant plan, request {i} alone vs its rows in the batch", alone_run(),
+                  (got_out[q0:q1], None if got_lse is None else got_lse[q0:q1]))
 
 
 def prefill_replan(case, d, rng, gen, run, budget, first, what, qo, kv, b, mask, q_hi, kv_hi):
