@@ -45,9 +45,11 @@ def test_verify_graph_replays_after_replans(mode, kv_dtype):
     cache = torch.randn(num_pages, 2, PS, HKV, D, generator=gen).to(kv_dtype).cuda()
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     i32 = dict(dtype=torch.int32, device="cuda")
-    w = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws, torch.empty(batch + 1, **i32),
-                                                              torch.empty(num_pages, **i32), torch.empty(batch, **i32),
-                                                              use_tensor_cores=mode != "chain4-bandwidth")
+    # backend="triton": use_tensor_cores literally, each route (under auto it is a speed hint, routing.py)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        ws, use_cuda_graph=True, use_tensor_cores=mode != "chain4-bandwidth", backend="triton",
+        paged_kv_indptr_buffer=torch.empty(batch + 1, **i32), paged_kv_indices_buffer=torch.empty(num_pages, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(batch, **i32))
     rows = 4 if mode.startswith("chain4") else 16
     q = torch.randn(batch * rows, HQ, D, generator=gen).to(torch.bfloat16).cuda()
     out = torch.empty_like(q)
