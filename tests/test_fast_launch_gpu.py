@@ -196,6 +196,7 @@ def test_warp_specialized_kernel_takes_the_fast_path(monkeypatch, triton_path_ca
     """The Gluon kernel (host TensorDescriptor arguments) is cached too: a second call skips JITFunction.run."""
     monkeypatch.setenv("SERVEATTN_PREFILL_WS", "1")
     monkeypatch.setenv("SERVEATTN_PREFILL_GATHER", "0")
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")  # one request of 256 rows would split (its own route)
     gen = torch.Generator().manual_seed(17)
     b = make_paged_batch(gen, qo_lens=[256], kv_lens=[1024], num_qo_heads=16, num_kv_heads=4, head_dim=128,
                          page_size=16, dtype=torch.bfloat16, tuple_cache=True, device="cuda")

@@ -31,6 +31,13 @@ def _spy(monkeypatch, module, name):
     return calls
 
 
+@pytest.fixture(autouse=True)
+def unsplit(monkeypatch):
+    """These tests are the warp-specialized kernel's; split-KV (prefill.split_chunk) would take their small plans
+    to the split prefill kernel (which of the two is faster there is scripts/probe_prefill_split.py's question)."""
+    monkeypatch.setenv("SERVEATTN_PREFILL_SPLIT", "0")
+
+
 @pytest.fixture
 def ws_calls(monkeypatch):
     """Counts launches of the warp-specialized kernel: each call of attention_ws.launch (whether it launched), and
