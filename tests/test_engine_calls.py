@@ -67,9 +67,16 @@ def test_sglang_decode(use_tensor_cores, device):
     assert rel_err(out, ref) < tolerance(BF16)
 
 
-def test_vllm_prefill_and_decode(device):
-    """vLLM's FlashInfer backend: plan() with every setting (and the split arguments it passes for batch
-    invariance), run() into slices of its output buffer with float scales, decode and prefill in one step."""
+# vLLM's split arguments (decode fixed size, prefill fixed size, disable_split_kv): -1 / False outside its
+# batch-invariant mode (FlashInfer's "not set"), 2048 / 4096 / True in it
+VLLM_SPLITS = {"normal": (-1, -1, False), "batch-invariant": (2048, 4096, True)}
+
+
+@pytest.mark.parametrize("mode", sorted(VLLM_SPLITS))
+def test_vllm_prefill_and_decode(mode, device):
+    """vLLM's FlashInfer backend: plan() with every setting (and the split arguments it passes in either mode),
+    run() into slices of its output buffer with float scales, decode and prefill in one step."""
+    dec_split, pre_split, disable = VLLM_SPLITS[mode]
     gen = torch.Generator().manual_seed(47)
     b = make_paged_batch(gen, qo_lens=[1, 1, 6, 4], kv_lens=[50, 7, 20, 4], num_qo_heads=HQ, num_kv_heads=HKV,
                          head_dim=D, page_size=PAGE, dtype=BF16, device=device)
@@ -80,7 +87,7 @@ def test_vllm_prefill_and_decode(device):
     dec = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     dec.plan(b.kv_indptr[:3], b.kv_indices, b.last_page_len[:2], HQ, HKV, D, PAGE, pos_encoding_mode="NONE",
              sm_scale=0.125, window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16,
-             fixed_split_size=None, disable_split_kv=True)
+             fixed_split_size=dec_split, disable_split_kv=disable)
     dec.run(b.q[:2], b.cache, k_scale=1.0, v_scale=1.0, out=output[:2])
     # prefill: the other two, their page table rebased to its own indptr
     pre_indptr = b.kv_indptr[2:] - b.kv_indptr[2]
@@ -88,8 +95,8 @@ def test_vllm_prefill_and_decode(device):
     qo = torch.tensor([0, 6, 10], **i32)
     pre = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
     pre.plan(qo, pre_indptr, pre_indices, b.last_page_len[2:], HQ, HKV, D, PAGE, causal=True, sm_scale=0.125,
-             window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16, fixed_split_size=None,
-             disable_split_kv=True)
+             window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16, fixed_split_size=pre_split,
+             disable_split_kv=disable)
     pre.run(b.q[2:], b.cache, k_scale=1.0, v_scale=1.0, out=output[2:])
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    causal=True, sm_scale=0.125)
