@@ -712,12 +712,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         kernel never splits a request's KV, and with either given neither the tiles nor backend='auto''s route
         follow the batch (make_plan's batch_invariant), so a request's results never depend on the batch."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
+                                                              disable_split_kv)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
                          q_data_type, kv_data_type, o_data_type,
-                         batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
+                         batch_invariant=batch_invariant)
 
     def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
@@ -805,7 +806,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              *positional_rest, fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
+                                                              disable_split_kv)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
             last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -815,7 +817,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, held=self._held,
-            batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
+            batch_invariant=batch_invariant)
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
