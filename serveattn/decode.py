@@ -272,7 +272,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
-        fixed_split_size = policy.split_size(entry, fixed_split_size)
+        fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv)
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name
             kv_data_type = data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
@@ -285,7 +285,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, q_len_per_req=q_len_per_req, tree=tree is not None,
             use_tensor_cores=self._use_tensor_cores, use_cuda_graph=self._use_cuda_graph,
-            batch_invariant=fixed_split_size is not None or bool(disable_split_kv)),
+            batch_invariant=batch_invariant),
             self.device, self._graph_route)
         route = decision.backend
         if route == "torch" or decision.kernel == routing.TENSOR_CORE:

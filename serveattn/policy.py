@@ -161,15 +161,16 @@ def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=
             refuse(entry, f"{name}={value!r} must be a positive finite float.")
 
 
-def split_size(entry: str, fixed_split_size) -> Optional[int]:
-    """plan()'s fixed_split_size: KV tokens per chunk, or None for the library's choice. -1 is FlashInfer's own
-    "not fixed" (its plan() turns None into -1, and vLLM passes -1 outside its batch-invariant mode)."""
+def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional[int], bool]:
+    """plan()'s (fixed_split_size, disable_split_kv) as (KV tokens per chunk or None for the library's choice,
+    whether the plan is batch-invariant: either one set). -1 is FlashInfer's own "not fixed" (its plan() turns None
+    into -1, and vLLM passes -1 outside its batch-invariant mode)."""
     if fixed_split_size is None or (fixed_split_size == -1 and type(fixed_split_size) is int):
-        return None
+        return None, bool(disable_split_kv)
     if not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool) or fixed_split_size < 1:
         refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk), or -1 "
                       f"or None for the library's choice.")
-    return fixed_split_size
+    return fixed_split_size, True
 
 
 def check_backend(entry: str, backend: str) -> None:

@@ -880,12 +880,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         of that many KV tokens for every longer request, or no split-KV (split_chunk); with either given neither
         the tiles nor backend='auto''s route follow the batch (make_plan), so a request's bits never depend on it."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
+                                                              disable_split_kv)
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
                          q_data_type, kv_data_type, o_data_type, split=(fixed_split_size, disable_split_kv),
-                         batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
+                         batch_invariant=batch_invariant)
 
     def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
@@ -975,7 +976,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              *positional_rest, fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
-        fixed_split_size = policy.split_size(self._entry + ".plan", fixed_split_size)
+        fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
+                                                              disable_split_kv)
         plan = make_plan(
             self._entry + ".plan", paged=False, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=None,
             last_page_len=None, page_size=1, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -986,7 +988,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             device=self.device, backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, held=self._held,
             workspace_bytes=self._split_bytes(), split=(fixed_split_size, disable_split_kv),
-            batch_invariant=fixed_split_size is not None or bool(disable_split_kv))
+            batch_invariant=batch_invariant)
         self._commit(plan)
 
     def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
