@@ -27,8 +27,6 @@
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
-#   scripts/gpu_run.sh probe-direct-launch     # GPU tests with the direct launcher, then run() host us with it off / on
-#   scripts/gpu_run.sh probe-decode-fold       # decode GPU tests with the slot fold, then kernel times block / slot fold
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
@@ -370,53 +368,6 @@ step_probe_widen() {  # next/fp8-widen-cvt: fp8 -> bf16 through fp16/fp32 (3, th
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
-  return "${PIPESTATUS[0]}"
-}
-
-step_probe_direct_launch() {  # next/direct-launch: cached launches through cuLaunchKernel (ctypes), pointers as ints
-  {
-    rc=0
-    echo "== GPU tests with SERVEATTN_DIRECT_LAUNCH=1 (the branch's default)"
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DIRECT_LAUNCH=1 timeout 330 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_fast_launch_gpu.py \
-        tests/test_fast_launch.py tests/test_decode_gpu.py tests/test_prefill_ws_gpu.py tests/test_prefill_gpu.py \
-        tests/test_fp8_kv.py tests/test_verify_gpu.py > "$OUT/probe-direct-launch-tests.log" 2>&1 || rc=1
-      grep -v Warning "$OUT/probe-direct-launch-tests.log" | tail -25
-    fi
-    echo "== run() host us (fast launch off = Triton's JIT path, the same-process reference; on = the cached entry),"
-    echo "   alternating processes with SERVEATTN_DIRECT_LAUNCH=0 / 1"
-    for round in 1 2; do
-      for direct in 0 1; do
-        echo "-- SERVEATTN_DIRECT_LAUNCH=$direct, round $round"
-        SERVEATTN_DIRECT_LAUNCH=$direct timeout 150 python3 scripts/probe_host.py --fast-launch-ab --rounds 3 || rc=1
-      done
-    done
-    exit $rc
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-direct-launch.txt"
-  return "${PIPESTATUS[0]}"
-}
-
-step_probe_decode_fold() {  # next/decode-fold: the split-KV fold slot by slot (default) against the block fold
-  {
-    rc=0
-    echo "== decode GPU tests with SERVEATTN_DECODE_FOLD=slot (the branch's default)"
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      timeout 300 python3 -m pytest -q -n 14 -p no:cacheprovider tests/test_decode_gpu.py tests/test_decode.py \
-        tests/test_verify.py tests/test_verify_gpu.py tests/test_fp8_kv.py tests/test_decode_pack.py \
-        > "$OUT/probe-decode-fold-tests.log" 2>&1 || rc=1
-      grep -v Warning "$OUT/probe-decode-fold-tests.log" | tail -15
-    fi
-    for round in 1 2; do
-      for fold in block slot; do
-        for fused in 1 0; do
-          echo "-- SERVEATTN_DECODE_FOLD=$fold SERVEATTN_DECODE_FUSED_MERGE=$fused, round $round"
-          SERVEATTN_DECODE_FOLD=$fold SERVEATTN_DECODE_FUSED_MERGE=$fused timeout 120 python3 \
-            scripts/probe_decode_profile.py --cases 1x8192,8x4096,32x2048 --flush || rc=1
-        done
-      done
-    done
-    exit $rc
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-decode-fold.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -169,23 +169,29 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     return torch.from_numpy(work.reshape(-1)), n
 
 
-SPLIT_PROGRAMS_PER_SM = 2  # split while (work items x KV heads) is under this many programs per SM
+# split while (work items x KV heads) is under this many programs per SM (session 28, H200: 64 programs split 1.5x
+# faster, 256 programs 0.87x as fast as unsplit)
+SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
 
 
 def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int, num_items: int,
-                fixed_split_size: Optional[int] = None, disable_split_kv: bool = False) -> Optional[int]:
+                fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
+                warp_specialized: bool = False) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
     is long enough to cut, else None. fixed_split_size: chunks of that many tokens whatever the batch;
-    disable_split_kv: none (plan()'s arguments). SERVEATTN_PREFILL_SPLIT=0 turns splitting off;
-    SERVEATTN_PREFILL_SPLIT_CHUNK=N forces chunks of N tokens (tests, measuring)."""
+    disable_split_kv: none (plan()'s arguments). warp_specialized: the plan's calls run on that kernel, faster
+    unsplit than split on prefill_kernel (attention_ws.takes_16bit): only fixed chunks split it.
+    SERVEATTN_PREFILL_SPLIT=0 turns splitting off; SERVEATTN_PREFILL_SPLIT_CHUNK=N forces chunks of N tokens
+    (tests, measuring)."""
     if disable_split_kv:
         return None
     programs = num_items * num_kv_heads
     target = SPLIT_PROGRAMS_PER_SM * num_sms
     forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
-    if num_items == 0 or (programs >= target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
+    if num_items == 0 or (not forced and (programs >= target or warp_specialized)) \
+            or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     max_kv = int(np.maximum.reduce(kv_lens))
     if forced:
@@ -372,8 +378,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
         # split items (split or not: the captured kernel is the split one)
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
-        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split) \
-            if items else None
+        ws = items and attention_kernel.attention_ws is not None and attention_kernel.attention_ws.takes_16bit(
+            plan, graph_tiles)
+        chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
+                            warp_specialized=ws) if items else None
         need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
         if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
             policy.refuse(entry, f"float_workspace_buffer holds {workspace_bytes} bytes for split-KV but "

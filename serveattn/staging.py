@@ -68,27 +68,15 @@ class _Driver:
         self.check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
 
 
-_lib = False  # False: not loaded yet
-_driver: Union[_Driver, None, bool] = False
-
-
-def libcuda():
-    """The CUDA driver library through ctypes, loaded once (also kernels/launch.py's); None where there is none."""
-    global _lib
-    if _lib is False:
-        try:
-            _lib = ctypes.CDLL("libcuda.so.1")
-        except OSError:
-            _lib = None
-    return _lib
+_driver: Union[_Driver, None, bool] = False  # False: not loaded yet
 
 
 def _get_driver() -> Optional[_Driver]:
     global _driver
     if _driver is False:
         try:
-            _driver = _Driver(libcuda()) if libcuda() is not None else None
-        except AttributeError:  # a library without these calls, or a torch without CUDA
+            _driver = _Driver(ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
             _driver = None
     return _driver
 

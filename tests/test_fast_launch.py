@@ -1,16 +1,9 @@
 """kernels/launch.py on the CPU: our argument key is at least as fine as Triton's own specialization (checked against
 Triton's binder for the sm_90 backend), the cached path passes the launcher what JITFunction.run would, and every
 case that must take Triton's path does (switch off, interpreter, hooks, unknown argument kinds, callable grids)."""
-import ctypes
 import importlib
 import itertools
-import os
 import random
-import re
-import struct
-import subprocess
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -25,8 +18,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from serveattn.kernels import launch as fast
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _probe(X, Y, Z, n, m, k, scale, flag, OPT, D, BLOCK: tl.constexpr, MODE: tl.constexpr = 0, W=None):
@@ -367,10 +358,8 @@ class _FakeCudaLauncher:
         self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_descriptor_launcher_passes_what_triton_passes_and_encodes_once(direct, monkeypatch):
+def test_descriptor_launcher_passes_what_triton_passes_and_encodes_once(monkeypatch):
     import triton.backends.nvidia.driver as nvidia
-    monkeypatch.setattr(fast, "DIRECT", direct)
     encodings = []
 
     def encode(desc, meta):  # stands for the CUtensorMap encoding (needs a GPU): what it is made of
@@ -382,8 +371,7 @@ def test_descriptor_launcher_passes_what_triton_passes_and_encodes_once(direct, 
     signature = {0: "*bf16", 1: "tensordesc<bf16[64, 64]>", 2: "i32", 3: "tensordesc<bf16[32, 64]>", 4: "constexpr"}
     run = _FakeCudaLauncher(signature, [{"id": "a"}, {"id": "b"}])
     kernel = type("Kernel", (), {"run": run})()
-    first = torch.zeros(4)
-    launch = fast._descriptor_launcher(kernel, (first, None, 7, None, 16))  # the first call's: a tensor at 0
+    launch = fast._descriptor_launcher(kernel)
     assert launch is not None
 
     cache = torch.zeros(256, 128, dtype=torch.bfloat16)
@@ -398,9 +386,7 @@ def test_descriptor_launcher_passes_what_triton_passes_and_encodes_once(direct, 
         params = (torch.zeros(4), a, 7, b, 16)
         run(3, 2, 1, 99, "fn", "packed", None, None, None, *params)  # Triton's launcher
         launch(3, 2, 1, 99, "fn", "packed", None, None, None, *params)  # ours
-        # the same, but the tensor as its address (DIRECT): Triton's C launcher takes an int pointer as it is
-        triton_call = [p.data_ptr() if direct and isinstance(p, torch.Tensor) else p for p in run.raw_calls[-2]]
-        assert _same(run.raw_calls[-1], triton_call)
+        assert _same(run.raw_calls[-1], run.raw_calls[-2])
     # Triton encoded 2 per call (12); ours only what it had not seen: a's 4 kinds + b's 2 kinds
     assert len(encodings) == 12 + 6
 
@@ -497,158 +483,3 @@ def test_packs_of_one_layout_share_their_generated_code(fake_triton):
     assert packs[0].key_function.__code__ is packs[1].key_function.__code__
     assert packs[0].key_function(*first) is not None and packs[0].key_function(*second) is None
     assert packs[1].key_function(*second) is not None
-
-
-# ---- the direct launcher: what Triton's C launcher passes the driver, packed by us ----
-
-class _RecordingDriver:
-    """cuLaunchKernel's stand-in: records each launch with the 8-byte slots its parameter array points at."""
-
-    def __init__(self, result=0):
-        self.calls, self.result = [], result
-
-    def launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, pointers, extra):
-        slots = [ctypes.string_at(pointers[k], 8) for k in range(len(pointers))]
-        handles = [h.value or 0 if isinstance(h, ctypes.c_void_p) else h for h in (function, stream)]
-        self.calls.append(((handles[0], gx, gy, gz, bx, by, bz, shared, handles[1], extra), slots))
-        return self.result
-
-
-def _compiled(signature, **meta):
-    fields = dict(global_scratch_size=0, profile_scratch_size=0, num_ctas=1, launch_cooperative_grid=False,
-                  launch_pdl=False, num_warps=4, shared=4096)
-    fields.update(meta)
-    return types.SimpleNamespace(src=types.SimpleNamespace(signature=signature),
-                                 metadata=types.SimpleNamespace(**fields))
-
-
-_SIGNATURE = {"X": "*bf16", "n": "i32", "scale": "fp32", "big": "i64", "BLOCK": "constexpr", "Y": "*fp32",
-              "flag": "i1", "addr": "*i32"}
-
-
-def _direct_params():
-    x, y = torch.randn(8).to(torch.bfloat16), torch.randn(8)
-    return (x, -7, 0.1, 2 ** 40 + 3, 64, y, True, 4096)
-
-
-@pytest.fixture
-def recording(monkeypatch):
-    driver = _RecordingDriver()
-    monkeypatch.setattr(fast, "_cuda", driver)
-    monkeypatch.setattr(fast, "DIRECT", True)
-    return driver
-
-
-def test_direct_launcher_packs_what_triton_passes(recording):
-    """Non-constexpr parameters in signature order (tensors as data_ptr(), fp32 as float32, each in its slot), then
-    the two NULL scratch pointers; 32 x num_warps threads, the kernel's shared memory, the given stream."""
-    fallback = []
-    direct = fast._direct_launcher(_compiled(_SIGNATURE), _direct_params(), lambda *a: fallback.append(a))
-    assert direct is not None
-    for _ in range(2):  # new tensors each call: their own addresses
-        params = _direct_params()
-        direct(3, 2, 1, 77, 555, ("packed",), None, None, None, *params)
-        (launch, slots) = recording.calls[-1]
-        assert launch == (555, 3, 2, 1, 128, 1, 1, 4096, 77, None)
-        x, n, scale, big, _, y, flag, addr = params
-        assert [struct.unpack("=Q", s)[0] for s in (slots[0], slots[4], slots[6], slots[7], slots[8])] == \
-            [x.data_ptr(), y.data_ptr(), addr, 0, 0]
-        assert struct.unpack("=i4x", slots[1])[0] == n
-        assert struct.unpack("=f4x", slots[2])[0] == np.float32(scale)
-        assert struct.unpack("=q", slots[3])[0] == big
-        assert struct.unpack("=b7x", slots[5])[0] == 1
-        assert len(slots) == 9
-    assert not fallback
-
-
-def test_direct_launcher_skips_empty_grids_and_falls_back_on_driver_errors(recording):
-    fallback = []
-    direct = fast._direct_launcher(_compiled(_SIGNATURE), _direct_params(), lambda *a: fallback.append(a))
-    direct(0, 1, 1, 77, 555, ("packed",), None, None, None, *_direct_params())
-    assert not recording.calls and not fallback  # Triton's launcher launches nothing for an empty grid either
-    recording.result = 201  # e.g. CUDA_ERROR_INVALID_CONTEXT: Triton's launcher makes a context current, or raises
-    params = _direct_params()
-    direct(4, 1, 1, 77, 555, ("packed",), None, None, None, *params)
-    assert len(recording.calls) == 1 and fallback == [(4, 1, 1, 77, 555, ("packed",), None, None, None, *params)]
-
-
-@pytest.mark.parametrize("case", ["scratch", "profile", "clusters", "cooperative", "pdl", "descriptor", "fp16_scalar",
-                                  "tuple", "count", "off", "no_driver"])
-def test_direct_launcher_declines_what_it_does_not_know(case, recording, monkeypatch):
-    signature, meta, params = dict(_SIGNATURE), {}, _direct_params()
-    if case == "scratch":
-        meta["global_scratch_size"] = 64
-    elif case == "profile":
-        meta["profile_scratch_size"] = 64
-    elif case == "clusters":
-        meta["num_ctas"] = 2
-    elif case == "cooperative":
-        meta["launch_cooperative_grid"] = True
-    elif case == "pdl":
-        meta["launch_pdl"] = True
-    elif case == "descriptor":
-        signature["addr"] = "tensordesc<bf16[64, 64]>"
-    elif case == "fp16_scalar":
-        signature["scale"] = "fp16"
-    elif case == "tuple":
-        signature["n"] = ("i32", "i32")
-    elif case == "count":
-        params = params[:-1]
-    elif case == "off":
-        monkeypatch.setattr(fast, "DIRECT", False)
-    elif case == "no_driver":
-        monkeypatch.setattr(fast, "_cuda", None)
-    assert fast._direct_launcher(_compiled(signature, **meta), params, None) is None
-
-
-def test_cached_calls_launch_directly(fake_triton, recording):
-    """_launch_keyed: a compiled kernel with a signature takes the direct launcher for its later calls."""
-    jit_fn, kernel, triton_calls = fake_triton
-    signature = {p.name: ("constexpr" if p.is_constexpr else "*bf16" if i < 3 else "i32" if i < 6 else "fp32")
-                 for i, p in enumerate(jit_fn.params)}
-    signature.update(flag="i1", OPT="constexpr", D="constexpr", W="constexpr")  # True, None, None, None
-    kernel.src, kernel.metadata = _compiled(signature).src, _compiled(signature).metadata
-    kernel.function = 4321  # a CUfunction handle
-    fast.launch(jit_fn, (3, 2), *_args(), MODE=1, num_warps=4)  # Triton's path; the entry's launcher is ours
-    args = _args()
-    fast.launch(jit_fn, (5, 2), *args, MODE=1, num_warps=4)
-    assert len(triton_calls) == 1 and len(kernel.launches) == 1  # the second call went to the driver
-    (launch, slots) = recording.calls[-1]
-    assert launch[:4] == (4321, 5, 2, 1) and launch[8] == 1234
-    assert struct.unpack("=Q", slots[0])[0] == args[0].data_ptr()
-
-
-def test_direct_launcher_matches_the_compiled_parameters(tmp_path):
-    """On a real sm_90 compile (CPU, a fresh process: the suite interprets), decode_kernel's parameter list in its
-    PTX entry is, slot for slot, what the direct launcher packs: u64 for pointers, u32 for i32, f32 for fp32, and
-    the two scratch pointers last."""
-    script = (
-        "import os, re, sys, types\n"
-        "sys.path.insert(0, os.path.join(sys.argv[1], 'scripts'))\n"
-        "import compile_probe as cp\n"
-        "from serveattn.kernels import launch as fast\n"
-        "ck = cp.compile_decode('bf16', 'bf16', 'bf16', 128, 4, 64, 2, 4, 16)\n"
-        "ptx = ck.asm['ptx']\n"
-        "head = ptx[ptx.index('.visible .entry'):]\n"
-        "ptx_types = re.findall(r'\\.param \\.(\\w+)', head[:head.index(')')])\n"
-        "fmts = []\n"
-        "class Driver:\n"
-        "    pass\n"
-        "fast._cuda = Driver()\n"
-        "fast._cuda.launch = None\n"
-        "fast.DIRECT = True\n"
-        "real = fast.struct.Struct\n"
-        "fast.struct = types.SimpleNamespace(Struct=lambda f: (fmts.append(f), real(f))[1])\n"
-        "params = [0 if t.startswith('*') else 1 if t == 'i32' else 0.5 if t == 'fp32' else None\n"
-        "          for t in ck.src.signature.values()]\n"
-        "assert fast._direct_launcher(ck, params, None) is not None\n"
-        "print(' '.join(ptx_types))\n"
-        "print(fmts[0])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT
-    run = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ptx_types, fmt = run.stdout.split("\n")[:2]
-    slots = re.findall(r"[A-Za-z]", fmt.replace("x", ""))
-    want = {"u64": "Q", "u32": "i", "f32": "f"}
-    assert [want[t] for t in ptx_types.split()] == slots

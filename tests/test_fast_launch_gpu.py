@@ -227,16 +227,3 @@ def test_warp_specialized_descriptors_follow_the_tensors(monkeypatch, triton_pat
     entries = fast._launches_of(attention.attention_ws.prefill_ws_kernel).entries
     assert any(e[0] is not e[4].run for e in entries.values()), "the descriptor launcher was not taken"
 
-
-def test_cached_entries_launch_directly(monkeypatch, triton_path_calls):
-    """With SERVEATTN_DIRECT_LAUNCH on (the default), a decode entry's launcher is the direct one (cuLaunchKernel
-    through ctypes), and its launches are bitwise Triton's (test_decode_bitwise compares the two paths)."""
-    if not fast.DIRECT:
-        pytest.skip("SERVEATTN_DIRECT_LAUNCH=0")
-    gen = torch.Generator().manual_seed(5)
-    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=[4000, 17, 900], num_qo_heads=32, num_kv_heads=8,
-                         head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda")
-    w = _decode_wrapper(b, 32, 8, 128, False)
-    _off_on_on(monkeypatch, triton_path_calls, _decode_run(w, b.q, b.cache))
-    launchers = [entry[0] for entry in fast._launches_of(decode.decode_kernel).entries.values()]
-    assert launchers and all(getattr(launcher, "__name__", "") == "direct" for launcher in launchers)

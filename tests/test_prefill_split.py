@@ -180,11 +180,16 @@ def test_graph_replans_keep_split_items(mode, device, monkeypatch):
 def test_split_rule_and_work_list():
     tiles = prefill.TileConfig(16, 64, 4, 2)
     kv = np.array([8192]); qo = np.array([1])
-    # 1 item x 8 KV heads on 132 SMs: 264 programs wanted -> 64 splits of 128 -> min chunk 256
+    # 1 item x 8 KV heads on 132 SMs: 132 programs wanted -> 32 splits of 256
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1) == 256
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 33) is None  # 264 programs: full
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 8) == 2048  # 64 programs: 4 splits
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 16) == 4096  # 128 programs: 2 splits
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 17) is None  # 136 programs: full
     assert prefill.split_chunk(qo, np.array([256]), 4, tiles, 8, 132, 1) is None  # one chunk: nothing to cut
-    assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 1600  # 64 splits, block-rounded
+    assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 3136  # 32 splits, block-rounded
+    # a plan the warp-specialized kernel serves stays unsplit, unless its chunks are fixed (batch invariance)
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, warp_specialized=True) is None
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, 1024, warp_specialized=True) == 1024
     qo_lens, kv_lens = np.array([3, 0, 40, 1]), np.array([500, 77, 130, 64])
     work, n, merge, m, rows = prefill.build_split_work(qo_lens, kv_lens, 4, 16, 128)
     assert merge[0] == m == 3 + 40 and rows == 3 * 4 + 40 * 2
@@ -223,8 +228,9 @@ def test_small_workspace_does_not_split(device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["decode-1-1-8192", "chain4-2-4-4096", "chunk-1-256-16384", "tree-1-5-8192"])
 def test_split_real_sizes(case, monkeypatch):
-    """GQA 32/8, head dim 128, bf16, page 16 (case: kind-batch-rows-kv): plans the rule splits on the H200, against
-    the reference and against the same plan unsplit; bitwise repeatable."""
+    """GQA 32/8, head dim 128, bf16, page 16 (case: kind-batch-rows-kv): plans the rule splits on the H200 (the
+    chunk's plan, one the warp-specialized kernel serves, through fixed_split_size), against the reference and
+    against the same plan unsplit; bitwise repeatable."""
     gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
     kind, batch, q_len, kv = case.split("-")
     batch, q_len, kv = int(batch), int(q_len), int(kv)
@@ -237,7 +243,7 @@ def test_split_real_sizes(case, monkeypatch):
         if kind == "chunk":
             w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
             w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, causal=True,
-                   q_data_type=torch.bfloat16)
+                   q_data_type=torch.bfloat16, fixed_split_size=4096)
             plan = w._plan
         else:
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
@@ -264,6 +270,53 @@ def test_split_real_sizes(case, monkeypatch):
     assert plan0.split is None
     assert rel_err(out, out0) < tolerance(torch.bfloat16)
     check_lse(lse, lse0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["1-256-16384", "4-128-8192", "1-512-32768"])
+def test_warp_specialized_plans_stay_unsplit(case):
+    """Few long prefill requests (batch-rows-kv, GQA 32/8, head dim 128, page 16) that the warp-specialized kernel
+    serves stay on it unsplit (it ran 1.25-2.4x the split prefill kernel there, session 28); the same plan with a
+    custom mask (not served there) splits."""
+    batch, q_len, kv = map(int, case.split("-"))
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=[kv] * batch, num_qo_heads=32, num_kv_heads=8,
+                         head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    args = (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16)
+    w.plan(*args, causal=True, q_data_type=torch.bfloat16)
+    assert w._plan.split is None and w._plan.num_merge == 0
+    mask = torch.rand(batch * q_len * kv, generator=gen) < 0.9
+    w.plan(*args, custom_mask=mask.cuda(), q_data_type=torch.bfloat16)
+    assert w._plan.num_merge > 0
+
+
+def test_warp_specialized_predicate_at_plan_time(monkeypatch):
+    """attention_ws.takes_16bit: the plan-time question split_chunk asks (CPU: the H200's answers faked)."""
+    from types import SimpleNamespace
+    from serveattn.kernels import attention
+    ws = attention.attention_ws
+    if ws is None:
+        pytest.skip("no Gluon in this Triton")
+    monkeypatch.setattr(ws, "_enabled", lambda: True)
+    monkeypatch.setattr(ws, "_capability", lambda device: (9, 0))
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    base = dict(device=torch.device("cuda"), q_dtype=bf16, kv_dtype=bf16, paged=True, page_size=16, head_dim=128,
+                tiles=prefill.TileConfig(128, 128, 8, 2), has_mask=False, window_left=-1, soft_cap=0.0, rope=False,
+                tree_mask=None, tree_mask_host=None)
+
+    def takes(graphed=False, **change):
+        return ws.takes_16bit(SimpleNamespace(**{**base, **change}), graphed)
+
+    assert takes() and takes(paged=False) and takes(q_dtype=torch.float16, kv_dtype=torch.float16)
+    assert takes(kv_dtype=e4m3) and not takes(graphed=True, kv_dtype=e4m3)  # an fp8 cache is copied: no graphs
+    assert not takes(kv_dtype=e4m3, paged=False)
+    assert not takes(page_size=5) and not takes(page_size=4)  # copied only where it pays: decided at run()
+    assert not takes(tiles=prefill.TileConfig(64, 64, 4, 2)) and not takes(head_dim=256)
+    assert not takes(has_mask=True) and not takes(window_left=8) and not takes(soft_cap=30.0)
+    assert not takes(rope=True) and not takes(tree_mask_host=torch.zeros(1))
+    assert not takes(q_dtype=e4m3, kv_dtype=e4m3) and not takes(device=torch.device("cpu"))
 
 
 @pytest.mark.gpu

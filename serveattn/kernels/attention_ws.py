@@ -829,14 +829,36 @@ def serves(q, k, v, plan, descales, as_ragged: bool = False) -> bool:
             return False
     elif q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
+    if not _serves_kind(plan):
+        return False
+    return not plan.paged or as_ragged or _tma_pages(plan.page_size)
+
+
+def _serves_kind(plan) -> bool:
+    """The plan's settings this kernel serves: its head dims and tiles, no mask, window, soft cap, RoPE or tree."""
     if plan.head_dim not in HEAD_DIMS or plan.tiles.block_m != BLOCK_M.value or plan.tiles.block_n != BLOCK_N.value:
         return False
-    if plan.has_mask or plan.window_left >= 0 or plan.soft_cap > 0 or plan.rope or plan.tree_mask is not None:
+    return not (plan.has_mask or plan.window_left >= 0 or plan.soft_cap > 0 or plan.rope
+                or plan.tree_mask is not None or plan.tree_mask_host is not None)
+
+
+def _tma_pages(page_size: int) -> bool:
+    return page_size >= 8 and page_size & (page_size - 1) == 0
+
+
+def takes_16bit(plan, graphed: bool) -> bool:
+    """Whether a 16-bit-query plan's calls will run on this kernel (serves() at plan time, no tensors yet):
+    prefill.split_chunk leaves such plans unsplit (session 28, H200: this kernel unsplit ran 1.25-2.4x the split
+    prefill_kernel on 1-4 requests of 128-512 rows over 8-32K keys). K/V of q's dtype: ragged, or pages that
+    suit TMA (other page sizes are copied only where that pays, decided at run()); an fp8 cache: copied into
+    ragged rows, never under CUDA graphs (graphed)."""
+    if not (_enabled() and plan.device.type == "cuda" and plan.q_dtype in (torch.bfloat16, torch.float16)):
         return False
-    ps = plan.page_size
-    if plan.paged and not as_ragged and (ps < 8 or ps & (ps - 1)):
+    if not _serves_kind(plan) or _capability(plan.device) != (9, 0):
         return False
-    return True
+    if plan.kv_dtype == plan.q_dtype:
+        return not plan.paged or _tma_pages(plan.page_size)
+    return plan.kv_dtype in FP8_DTYPES and plan.paged and not graphed
 
 
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,

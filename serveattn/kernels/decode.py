@@ -55,13 +55,6 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
         tl.store(where, now, mask=tl.arange(0, dep_rows.shape[0]) == 0)
 
 
-# SERVEATTN_DECODE_FOLD=block: the fold as before session 26 (_merge_request_block: a block of SLOTS partial states
-# loaded as one [SLOTS, rows, head dim] tile and summed over its slots, which crosses threads through shared memory,
-# 13 barriers a block in sm_90 SASS); the default folds slot by slot (_merge_request_slots). For measuring the two;
-# both fixed in order, so bitwise repeatable, and the fused fold and merge_kernel always take the same one.
-FOLD_BY_SLOT: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_DECODE_FOLD", "slot") != "block")
-
-
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -191,67 +184,6 @@ def merge_slots(rows: int, head_dim: int) -> int:
 def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
                    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
-    """Folds the n partial states from slot `first` of request req, KV head kvh into O (and LSE); returns the LSE
-    (a trace stamps after it)."""
-    if FOLD_BY_SLOT:
-        lse = _merge_request_slots(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb,
-                                   stride_lh, NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
-    else:
-        lse = _merge_request_block(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb,
-                                   stride_lh, NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
-    return lse
-
-
-@triton.jit
-def _merge_request_slots(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
-                         NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
-    """_merge_request, each slot's [rows, head dim] state added in slot order into an accumulator of the same
-    layout: every per-row value is kept as a [rows, 1] column of that layout (replicated over the threads of a
-    row), so nothing crosses threads; per block of SLOTS slots, a first unrolled pass takes the LSEs' running max
-    and a second adds the weighted states (their loads independent, all in flight at once). The loads bypass L1
-    (.cg): another program may have written these slots."""
-    r = tl.arange(0, ROWS)[:, None]
-    row_ok = r < QLEN * GROUP
-    tok = r // GROUP
-    head = kvh * GROUP + r % GROUP
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    m = tl.full([ROWS, 1], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([ROWS, 1], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for s0 in range(0, n, SLOTS):
-        m_new = m
-        for jj in tl.static_range(SLOTS):
-            row = (((first + s0 + jj) * QLEN + tok) * NUM_QO_HEADS + head).to(tl.int64)
-            lse = tl.load(PART_LSE + row, mask=row_ok & (s0 + jj < n), other=float("-inf"), cache_modifier=".cg")
-            m_new = tl.maximum(m_new, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row no chunk saw: every weight 0
-        alpha = tl.exp2(m - m_safe)  # 0 while m is -inf
-        acc = acc * alpha
-        total = total * alpha
-        for jj in tl.static_range(SLOTS):
-            ok = row_ok & (s0 + jj < n)
-            row = (((first + s0 + jj) * QLEN + tok) * NUM_QO_HEADS + head).to(tl.int64)
-            w = tl.exp2(tl.load(PART_LSE + row, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            part = tl.load(PART_O + row * HEAD_DIM + d, mask=ok, other=0.0, cache_modifier=".cg")
-            acc = acc + part * w  # an empty chunk weighs 0
-            total = total + w
-        m = m_new
-    empty = total == 0.0
-    out = acc * (1.0 / tl.where(empty, 1.0, total))
-    q_tok = req.to(tl.int64) * QLEN + tok
-    tl.store(O + q_tok * stride_ob + head.to(tl.int64) * stride_oh + d, to_dtype(out, O.dtype.element_ty),
-             mask=row_ok)
-    lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, total)))
-    if RETURN_LSE:
-        tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
-    return tl.max(lse, 1)
-
-
-@triton.jit
-def _merge_request_block(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
-                         NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
     """Folds the n partial states from slot `first` of request req, KV head kvh (fixed order and blocking, so
     bitwise repeatable), SLOTS chunks per load, each block's outputs weighted by exp2(lse - the running max) and the
     sum so far rescaled when the max grows (one trip to L2 a block; a max over all chunks first was one more).

@@ -10,23 +10,13 @@ specialization (tests/test_fast_launch.py checks that against Triton's binder), 
 kernel. The first call of a class, and any call we cannot key, takes Triton's own path, which compiles or finds the
 kernel and launches it.
 
-A cached entry then launches through `_direct_launcher` (SERVEATTN_DIRECT_LAUNCH=0 keeps Triton's C launcher): the
-parameters packed into one buffer, cuLaunchKernel called through ctypes. Triton's launcher parses ~40 objects and
-asks the driver about every pointer (cuPointerGetAttribute, 13 for decode) at every call; on this CPU with a stub
-driver the two cost about the same (scripts/probe_launch_cpu.py), so what it saves is the driver's own time for
-those queries. Kernels with tensor descriptors keep Triton's launcher (`_descriptor_launcher`), given their tensors
-as data_ptr() ints, which it takes without a query.
-
 Triton internals relied on (triton 3.6): JITFunction.params (KernelParam: is_constexpr, do_not_specialize,
 do_not_specialize_on_alignment, default), JITFunction.pre_run_hooks / used_global_vals, CompiledKernel.run /
 function / packed_metadata, the launcher's argument order (grid x3, stream, function, packed metadata, launch
 metadata, enter hook, exit hook, every parameter in signature order), knobs.runtime.launch_enter_hook /
 launch_exit_hook as HookChain, and what native_specialize_impl distinguishes.
 """
-import ctypes
 import os
-import struct
-import threading
 
 import torch
 import triton
@@ -49,8 +39,6 @@ _SWITCH = os.environ.get("SERVEATTN_FAST_LAUNCH", "")
 ENABLED = _SWITCH == "1" or (_SWITCH == "" and triton.__version__.startswith("3.6."))
 
 _STATE_ATTR = "_serveattn_fast_launch"
-# SERVEATTN_DIRECT_LAUNCH=0: a cached entry launches through Triton's C launcher, not _direct_launcher (measuring)
-DIRECT = os.environ.get("SERVEATTN_DIRECT_LAUNCH", "1") == "1"
 
 
 class UnkeyedArgument(Exception):
@@ -215,15 +203,13 @@ def _globals_read(jit_fn):
 ENCODED_MAX = 64  # encoded descriptors kept per kernel entry and argument (a cache's few addresses, q's few)
 
 
-def _descriptor_launcher(kernel, params=()):
+def _descriptor_launcher(kernel):
     """kernel.run, for a kernel with host TensorDescriptor arguments, without encoding each descriptor at every
     call: Triton's launcher (CudaLauncher.launch, wrap_handle_tensordesc's `inner`) encodes a CUtensorMap on the
     host per descriptor and call, ~20% of a prefill run() on the H200's host (session 14). This one keeps each
     encoding, keyed by everything it is made of (the base's address, shape, strides, padding; the element type,
     block and swizzle are the compiled kernel's, fixed per entry), so a KV cache that stays where it is is encoded
-    once. None (Triton's launcher stays) where the launcher is not laid out as in triton 3.6 or needs scratch.
-    params: the first call's parameters: where they hold tensors (the same positions at every call of an entry),
-    later calls pass data_ptr() instead (DIRECT), so the C launcher skips its cuPointerGetAttribute for each."""
+    once. None (Triton's launcher stays) where the launcher is not laid out as in triton 3.6 or needs scratch."""
     run = kernel.run
     inner = getattr(run, "launch", None)
     code = getattr(inner, "__code__", None)
@@ -237,13 +223,8 @@ def _descriptor_launcher(kernel, params=()):
     descriptors = tuple(zip(sorted(positions), metas))  # Triton pairs them in position order
     fixed = (run.launch_cooperative_grid, run.launch_pdl, None, None)  # no scratch: CudaLauncher passes None
     encoded = [{} for _ in descriptors]
-    tensors = tuple(i for i, p in enumerate(params) if isinstance(p, torch.Tensor)) if DIRECT else ()
 
     def launch(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *params):
-        if tensors:
-            params = list(params)
-            for i in tensors:
-                params[i] = params[i].data_ptr()
         final = [gx, gy, gz, stream, function, *fixed, packed_metadata, launch_metadata, enter_hook, exit_hook]
         start = 0
         for (position, meta), memo in zip(descriptors, encoded):
@@ -260,100 +241,6 @@ def _descriptor_launcher(kernel, params=()):
         final += params[start:]
         raw(*final)
     return launch
-
-
-# A kernel parameter's bytes by its type in the compiled signature, each in an 8-byte slot (struct format)
-_SLOT = {"i1": "b7x", "u1": "B7x", "i8": "b7x", "u8": "B7x", "i16": "h6x", "u16": "H6x", "i32": "i4x", "u32": "I4x",
-         "i64": "q", "u64": "Q", "fp32": "f4x", "f32": "f4x", "fp64": "d"}
-
-
-class _Driver:
-    """cuLaunchKernel through ctypes (which lets other threads run during the call; an entry's lock keeps its
-    argument buffer to one launch at a time). No argtypes: converting 11 arguments by them took half of the call's
-    ~0.9 us; the handles go as c_void_p, the grid and block sizes as Python ints (C ints: all below 2^31)."""
-
-    def __init__(self, lib):
-        self.launch = lib.cuLaunchKernel
-        self.launch.restype = ctypes.c_int
-
-
-_cuda: object = False  # False: not loaded yet; None: no libcuda here
-
-
-def _cuda_driver():
-    global _cuda
-    if _cuda is False:
-        from ..staging import libcuda  # imported here (no cycle at import): the one ctypes load of the driver
-        lib = libcuda()
-        _cuda = None if lib is None else _Driver(lib)
-    return _cuda
-
-
-def _direct_launcher(kernel, params, fallback):
-    """A launcher with the calling convention of Triton's (grid x3, stream, function, packed metadata, launch
-    metadata, hooks, every parameter), that packs the parameters into one buffer of 8-byte slots and calls
-    cuLaunchKernel itself: no PyArg_ParseTuple of ~40 objects and no cuPointerGetAttribute per pointer, which
-    Triton's C launcher pays at every call (tensors are passed as their data_ptr(): device addresses, as every
-    tensor reaching a launch here is on the kernel's device, checked by the entry points). Generated per compiled
-    kernel and argument class (the tensor positions are the entry's). Passes what Triton's launcher passes: the
-    non-constexpr parameters in signature order, then the global and profile scratch pointers (NULL: only kernels
-    without scratch come here), on blocks of 32 x num_warps threads with the kernel's shared memory.
-    None (Triton's launcher stays) for anything else: tensor descriptors, scratch, clusters, cooperative or PDL
-    launches, parameter types not in _SLOT, no libcuda. A launch the driver refuses goes to `fallback`
-    (Triton's launcher, which makes the thread's context current or raises Triton's error)."""
-    cuda = _cuda_driver() if DIRECT else None
-    meta = getattr(kernel, "metadata", None)
-    signature = getattr(getattr(kernel, "src", None), "signature", None)
-    if (cuda is None or meta is None or not isinstance(signature, dict) or len(signature) != len(params)
-            or getattr(meta, "global_scratch_size", 1) or getattr(meta, "profile_scratch_size", 1)
-            or getattr(meta, "num_ctas", 2) != 1 or getattr(meta, "launch_cooperative_grid", True)
-            or getattr(meta, "launch_pdl", True)):
-        return None
-    fmt, values = "=", []
-    for i, (ty, value) in enumerate(zip(signature.values(), params)):
-        if not isinstance(ty, str):
-            return None
-        if ty == "constexpr":
-            continue
-        if ty.startswith("*"):
-            if isinstance(value, torch.Tensor):
-                values.append(f"a{i}.data_ptr()")
-            elif value.__class__ is int:
-                values.append(f"a{i}")
-            else:
-                return None
-            fmt += "Q"
-        elif ty in _SLOT:
-            values.append(f"a{i}")
-            fmt += _SLOT[ty]
-        else:
-            return None
-    fmt += "QQ"  # global and profile scratch: NULL
-    layout = struct.Struct(fmt)
-    buf = ctypes.create_string_buffer(layout.size)
-    base = ctypes.addressof(buf)
-    count = len(values) + 2
-    pointers = (ctypes.c_void_p * count)(*(base + 8 * k for k in range(count)))
-    names = ", ".join(f"a{i}" for i in range(len(params)))
-    # an empty grid launches nothing (as in Triton's launcher); the lock: one thread packs and launches at a time
-    source = (f"def direct(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, "
-              f"{names}):\n"
-              f"    if not (gx and gy and gz):\n"
-              f"        return\n"
-              f"    with lock:\n"
-              f"        pack(buf, 0, {''.join(v + ', ' for v in values)}0, 0)\n"
-              f"        failed = launch(handle(function), gx, gy, gz, threads, 1, 1, shared, handle(stream), pointers, "
-              f"None)\n"
-              f"    if failed:\n"
-              f"        fallback(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook, "
-              f"exit_hook, {names})\n")
-    namespace = dict(pack=layout.pack_into, buf=buf, launch=cuda.launch, handle=ctypes.c_void_p,
-                     threads=32 * meta.num_warps,
-                     shared=meta.shared, pointers=pointers, fallback=fallback, lock=threading.Lock())
-    exec(source, namespace)
-    direct = namespace["direct"]
-    direct.keep = (buf, pointers)  # the buffer and the pointer array live as long as the launcher
-    return direct
 
 
 def _runnable(jit_fn, grid):
@@ -396,9 +283,8 @@ def _launch_keyed(jit_fn, launches, grid, args, kwargs, arg_key):
         trailing = _trailing_values(launches, len(args), kwargs)
         if kernel is not None and trailing is not None:
             # kernel.run is the launcher once the call above has loaded the binary
-            described = _GluonTensorDescriptor is not None and any(a.__class__ is _GluonTensorDescriptor for a in args)
-            launcher = (_descriptor_launcher(kernel, (*args, *trailing)) if described else
-                        _direct_launcher(kernel, (*args, *trailing), kernel.run)) or kernel.run
+            launcher = (_descriptor_launcher(kernel) if _GluonTensorDescriptor is not None and any(
+                a.__class__ is _GluonTensorDescriptor for a in args) else None) or kernel.run
             launches.entries[key] = (launcher, kernel.function, kernel.packed_metadata, trailing, kernel,
                                      _globals_read(jit_fn))
         return kernel
