@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
 #   scripts/gpu_run.sh env bench-prefill-quick
@@ -341,6 +342,25 @@ step_probe_fast_launch() {  # kernels/launch.py's fast path: bitwise Triton's la
     timeout 180 python3 scripts/probe_host.py --fast-launch-ab --rounds 7 --profile || rc=1
     exit $rc
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fast-launch.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, the default since session 28) against the integer
+  # path (1): its GPU tests first (every code, fp8 = dequantized on every route), then alternating processes
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the tests step ran them this session
+      SERVEATTN_FAST_WIDEN=3 timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+        tests/test_gather.py tests/test_verify_gpu.py tests/test_decode_gpu.py
+    fi
+    for round in 1 2; do
+      for widen in 1 3; do
+        echo "== SERVEATTN_FAST_WIDEN=$widen, round $round"
+        SERVEATTN_FAST_WIDEN=$widen timeout 90 python3 scripts/probe_fp8.py --cases 64x8192,128x4096,8x4096
+        SERVEATTN_FAST_WIDEN=$widen timeout 120 python3 scripts/probe_prefill.py --cases 1x4096,16x2048 --kinds kv8 \
+          --profile
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
   return "${PIPESTATUS[0]}"
 }
 

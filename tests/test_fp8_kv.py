@@ -1,5 +1,9 @@
 """fp8 KV caches under a 16-bit query: every route equals, bitwise, the same call on cache.to(q.dtype)."""
 import itertools
+import os
+import re
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -14,6 +18,7 @@ from helpers import make_paged_batch, rel_err
 
 ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTES = ["single_prefill", "ragged", "paged", "decode", "decode_tc", "single_decode", "cascade"]
 
 
@@ -174,6 +179,47 @@ def test_widen_every_fp8_code(enc, dtype, device):
     nan = want.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))  # bitwise: signed zeros too
+
+
+@pytest.mark.parametrize("enc", ENCODINGS, ids=["e4m3", "e5m2"])
+def test_widening_through_fp16_and_fp32_is_exact_for_every_code(enc):
+    """The arithmetic SERVEATTN_FAST_WIDEN=3's PTX relies on (common._fp8_to_bf16_cvt_asm), on the host: fp8 -> f16
+    -> f32 exactly, then the f32's high half is the code's bf16 for all 256 codes (its low half is zero: fp8 values
+    have at most 3 significant bits), NaN staying NaN. The GPU test above runs the PTX itself."""
+    codes = torch.arange(256, dtype=torch.uint8).view(enc)
+    f32 = codes.to(torch.float16).to(torch.float32)
+    high = (f32.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    want = codes.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(high.isnan(), nan)
+    assert torch.equal(high[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert bool(((f32.view(torch.int32) & 0xFFFF)[~nan] == 0).all())
+
+
+def _decode_sass(tmp_path, widen_mode: str, kv: str) -> tuple:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, SERVEATTN_FAST_WIDEN=widen_mode)
+    out = tmp_path / f"{kv}-{widen_mode}"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "decode", "--kv", kv,
+           "--tiles", "16,64,2,6", "--dump", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return (out / "decode.sass").read_text(), (out / "decode.ptx").read_text()
+
+
+@pytest.mark.parametrize("kv", ["fp8e4nv", "fp8e5"])
+def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
+    """sm_90 SASS of fp8 decode (CPU): the default widening (SERVEATTN_FAST_WIDEN=3) has no F2F (the quarter-rate
+    f16 -> f32 conversion Triton's own path takes) and fewer instructions than the integer path (=1), and the
+    product reads its operands as that path's (the same mma.sync and ldmatrix: the same k-slots, so the fp8 run
+    stays bitwise its dequantized run)."""
+    sass3, ptx3 = _decode_sass(tmp_path, "3", kv)
+    sass1, ptx1 = _decode_sass(tmp_path, "1", kv)
+    ops = lambda sass, op: len(re.findall(r"\s%s[.\s]" % op, sass))  # noqa: E731
+    assert ops(sass3, "F2F") == 0 and ops(sass3, "HADD2") > 0 and ops(sass3, "F2FP") > 0
+    assert sass3.count(";") < sass1.count(";") * 0.85
+    for instr in ("mma.sync", "ldmatrix"):
+        assert ptx3.count(instr) == ptx1.count(instr) > 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

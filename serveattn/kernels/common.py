@@ -25,10 +25,12 @@ if os.environ.get("SERVEATTN_FP_FUSION", "0") == "1":
 # SERVEATTN_FP8_BOUNDARY=0 drops the operand boundary below: for measuring its cost only (scripts/probe_fp8.py);
 # without it an fp8 run is no longer bitwise the run on the dequantized cache.
 FP8_BOUNDARY: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_BOUNDARY", "1") == "1")
-# SERVEATTN_FAST_WIDEN=0: fp8 -> bf16 through Triton's conversion (fp16 and back) instead of _fp8_to_bf16.
-# SERVEATTN_FAST_WIDEN=2: _fp8_to_bf16 without its NaN/inf fix-up (measuring its cost only; not exact for those).
-_WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "1")
-FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2"))
+# How _fp8_to_bf16 widens (all exact but 2): SERVEATTN_FAST_WIDEN=3 (the default) through fp16 and fp32 on the
+# FMA pipe (_fp8_to_bf16_cvt_asm, 4 instructions a pair); 1 the integer path (_fp8_to_bf16_asm, ~8.4 a pair; the
+# earlier default); 2 the integer path without its NaN/inf fix-up (measuring only: not exact for those);
+# 0 Triton's conversion (also through fp16, but widening to fp32 on the quarter-rate conversion pipe, F2F).
+_WIDEN = os.environ.get("SERVEATTN_FAST_WIDEN", "3")
+FAST_WIDEN: tl.constexpr = tl.constexpr(_WIDEN in ("1", "2", "3"))
 # The logit scale and the row max folded into one fma before exp2, the row max taken on the unscaled logits (so it
 # needs a positive scale: sm_scale and float k_scale are checked; tensor scales and descales live on the device and
 # are the caller's to keep positive, API.md), in prefill_kernel and the warp-specialized kernel alike (they stay
@@ -139,22 +141,39 @@ def _fp8_to_bf16_asm(shift: int, mag: str, scale: str, carry: str, specials: boo
             f"prmt.b32 a, $2, 0, 0x3424; {pair}or.b32 $1, t, n; }}")
 
 
-# e4m3fn s.eeee.mmm -> bf16 bits s.0000eeee.mmm0000 (magnitude at most 0x07F0, the NaN code), times 2^120.
-E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(4, "0x07F007F0", "0x7B807B80", "0x78107810", _WIDEN != "2"))
-# e5m2 s.eeeee.mm -> s.000eeeee.mm00000 (inf/NaN from 0x0F80), times 2^112.
-E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(3, "0x0FE00FE0", "0x77807780", "0x70807080", _WIDEN != "2"))
+def _fp8_to_bf16_cvt_asm(encoding: str) -> str:
+    """PTX turning 4 fp8 bytes ($2) into 4 bf16 ($0, $1) through fp16 and fp32, 4 SASS instructions a pair: one
+    F2FP unpacks two codes into f16x2 (exact: every fp8 value is an f16 value, e4m3 subnormals normal in f16), two
+    HADD2.F32 widen the halves (exact), and a PRMT keeps each fp32's high half: every fp8 value has at most 3
+    significant bits, so the dropped low halves are zero and the truncation is exact; NaN stays NaN (a quiet fp32
+    NaN's high half is a bf16 NaN), inf stays inf. F2FP is the only conversion; HADD2.F32 issues on the FMA pipe
+    (ptxas lowers cvt.f32.f16 to it; sm_90 SASS checked with scripts/compile_probe.py)."""
+    pair = ("cvt.rn.f16x2.{e}x2 h, {half}; mov.b32 {{a, b}}, h; cvt.f32.f16 f, a; cvt.f32.f16 g, b; "
+            "prmt.b32 {out}, f, g, 0x7632; ")
+    return ("{ .reg .b16 lo, hi, a, b; .reg .b32 h, f, g; mov.b32 {lo, hi}, $2; "
+            + pair.format(e=encoding, half="lo", out="$0") + pair.format(e=encoding, half="hi", out="$1") + "}")
+
+
+if _WIDEN == "3":
+    E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_cvt_asm("e4m3"))
+    E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_cvt_asm("e5m2"))
+else:
+    # e4m3fn s.eeee.mmm -> bf16 bits s.0000eeee.mmm0000 (magnitude at most 0x07F0, the NaN code), times 2^120.
+    E4M3_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(4, "0x07F007F0", "0x7B807B80", "0x78107810",
+                                                               _WIDEN != "2"))
+    # e5m2 s.eeeee.mm -> s.000eeeee.mm00000 (inf/NaN from 0x0F80), times 2^112.
+    E5M2_TO_BF16: tl.constexpr = tl.constexpr(_fp8_to_bf16_asm(3, "0x0FE00FE0", "0x77807780", "0x70807080",
+                                                               _WIDEN != "2"))
 
 
 @triton.jit
 def _fp8_to_bf16(x):
-    """An fp8 tile in bf16, exactly, with integer ops and one bf16x2 multiply per pair of values.
+    """An fp8 tile in bf16, exactly (E4M3_TO_BF16 / E5M2_TO_BF16: SERVEATTN_FAST_WIDEN says which PTX).
 
-    Triton converts fp8 -> bf16 through fp16 (three conversions per pair), and conversions are among the
-    slowest instructions: a decode reading fp8 at full bandwidth would need more of them per clock than an
-    SM issues. Here each byte's sign and exponent/mantissa bits are placed where bf16 keeps them, which
-    reads as the value times 2^(bias_fp8 - bias_bf16) (fp8 subnormals land on bf16 subnormals, exact too),
-    and one fma.rn.bf16x2 by the inverse power of two restores it. Opaque (is_pure=False) like
-    `_operand_boundary`, so the dot that consumes the tile lays it out as it lays out a 16-bit load."""
+    Triton's own conversion goes through fp16 and fp32 too, but widens f16 -> f32 with F2F, a conversion on the
+    quarter-rate pipe, twice a pair: a decode reading fp8 at full bandwidth needs about 15 values a clock per SM.
+    Opaque (is_pure=False) like `_operand_boundary`, so the dot that consumes the tile lays it out as it lays out
+    a 16-bit load (the same k-slots, so the same bits as the dequantized cache)."""
     if x.dtype == tl.float8e4nv:
         asm: tl.constexpr = E4M3_TO_BF16
     else:
