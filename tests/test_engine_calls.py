@@ -41,10 +41,10 @@ def test_sglang_extend_over_a_cached_prefix(backend, device):
     for i, n in enumerate(new_lens):
         lo, hi = int(pre_indptr[i]), int(pre_indptr[i + 1])
         q_lo, q_hi = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
-        ks += [k_pre[lo:hi].cpu(), k_new[q_lo:q_hi].cpu()]  # the reference gathers on the cache's device
+        ks += [k_pre[lo:hi].cpu(), k_new[q_lo:q_hi].cpu()]  # the reference in float64 on the CPU
         vs += [v_pre[lo:hi].cpu(), v_new[q_lo:q_hi].cpu()]
         ctx.append(ctx[-1] + (hi - lo) + n)
-    ref, _ = reference.batch_ragged(b.q, torch.cat(ks), torch.cat(vs), b.qo_indptr.cpu(),
+    ref, _ = reference.batch_ragged(b.q.cpu(), torch.cat(ks), torch.cat(vs), b.qo_indptr.cpu(),
                                     torch.tensor(ctx, dtype=torch.int32), causal=True, sm_scale=scale,
                                     logits_soft_cap=cap)
     rows = b.qo_indptr[-1]
