@@ -352,7 +352,7 @@ step_probe_prefill_split() {  # split-KV on the prefill kernel: SERVEATTN_PREFIL
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_widen() {  # next/fp8-widen-cvt: fp8 -> bf16 through fp16/fp32 (3, the branch's default) against the integer
+step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, the default since session 28) against the integer
   # path (1): its GPU tests first (every code, fp8 = dequantized on every route), then alternating processes
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then  # PROBE_TESTS=0: the tests step ran them this session

@@ -128,8 +128,10 @@ def main():
             if not tc and w._plan is not None:
                 p = w._plan
                 k, v = cache[:, 0], cache[:, 1]
+                # the wrapper's done_count as run() passes it (the fused merge: the merge arrays stay on the host)
                 launch_us = per_call_us(lambda: decode_kernel.launch(q, k, v, out, None, p, "NHD", p.num_work_host,
-                                                                    p.batch if p.num_slots else 0))
+                                                                    p.batch if p.num_slots else 0,
+                                                                    done_count=w._done_count))
                 print(f"    bare decode_kernel.launch (+merge: {bool(p.num_slots)}): {launch_us:.1f} us")
                 if batch == 256:  # the staging step alone, and the CUDA calls it is made of
                     arrays = {n: t.cpu() for n, t in (("work", p.work), ("num_work", p.num_work),
