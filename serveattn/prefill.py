@@ -378,8 +378,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
         # split items (split or not: the captured kernel is the split one)
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
+        # the warp-specialized kernel's plans stay unsplit; an fp8 cache reaches it through a widened copy of
+        # K and V (2 bytes a value each), made only where that fits GATHER_MAX_BYTES
         ws = items and attention_kernel.attention_ws is not None and attention_kernel.attention_ws.takes_16bit(
-            plan, graph_tiles)
+            plan, graph_tiles, kv_dtype.itemsize == 1
+            and 4 * int(np.add.reduce(kv_lens)) * num_kv_heads * head_dim <= attention_kernel.GATHER_MAX_BYTES)
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
                             warp_specialized=ws) if items else None
         need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0

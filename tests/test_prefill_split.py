@@ -306,11 +306,12 @@ def test_warp_specialized_predicate_at_plan_time(monkeypatch):
                 tiles=prefill.TileConfig(128, 128, 8, 2), has_mask=False, window_left=-1, soft_cap=0.0, rope=False,
                 tree_mask=None, tree_mask_host=None)
 
-    def takes(graphed=False, **change):
-        return ws.takes_16bit(SimpleNamespace(**{**base, **change}), graphed)
+    def takes(graphed=False, gather_fits=True, **change):
+        return ws.takes_16bit(SimpleNamespace(**{**base, **change}), graphed, gather_fits)
 
     assert takes() and takes(paged=False) and takes(q_dtype=torch.float16, kv_dtype=torch.float16)
     assert takes(kv_dtype=e4m3) and not takes(graphed=True, kv_dtype=e4m3)  # an fp8 cache is copied: no graphs
+    assert not takes(kv_dtype=e4m3, gather_fits=False) and takes(gather_fits=False)  # the copy's size limit
     assert not takes(kv_dtype=e4m3, paged=False)
     assert not takes(page_size=5) and not takes(page_size=4)  # copied only where it pays: decided at run()
     assert not takes(tiles=prefill.TileConfig(64, 64, 4, 2)) and not takes(head_dim=256)

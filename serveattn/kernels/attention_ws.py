@@ -846,19 +846,20 @@ def _tma_pages(page_size: int) -> bool:
     return page_size >= 8 and page_size & (page_size - 1) == 0
 
 
-def takes_16bit(plan, graphed: bool) -> bool:
+def takes_16bit(plan, graphed: bool, gather_fits: bool) -> bool:
     """Whether a 16-bit-query plan's calls will run on this kernel (serves() at plan time, no tensors yet):
     prefill.split_chunk leaves such plans unsplit (session 28, H200: this kernel unsplit ran 1.25-2.4x the split
     prefill_kernel on 1-4 requests of 128-512 rows over 8-32K keys). K/V of q's dtype: ragged, or pages that
     suit TMA (other page sizes are copied only where that pays, decided at run()); an fp8 cache: copied into
-    ragged rows, never under CUDA graphs (graphed)."""
+    ragged rows, never under CUDA graphs (graphed), and only where the widened copy fits attention's
+    GATHER_MAX_BYTES (gather_fits)."""
     if not (_enabled() and plan.device.type == "cuda" and plan.q_dtype in (torch.bfloat16, torch.float16)):
         return False
     if not _serves_kind(plan) or _capability(plan.device) != (9, 0):
         return False
     if plan.kv_dtype == plan.q_dtype:
         return not plan.paged or _tma_pages(plan.page_size)
-    return plan.kv_dtype in FP8_DTYPES and plan.paged and not graphed
+    return plan.kv_dtype in FP8_DTYPES and plan.paged and not graphed and gather_fits
 
 
 def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale: float, ks_ptr, vs_ptr,
