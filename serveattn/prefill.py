@@ -177,11 +177,12 @@ SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states a
 
 def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int, num_items: int,
                 fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
-                warp_specialized: bool = False) -> Optional[int]:
+                warp_specialized=None) -> Optional[int]:
     """KV tokens per chunk (a multiple of block_n) when the plan's programs would not fill the GPU and some request
     is long enough to cut, else None. fixed_split_size: chunks of that many tokens whatever the batch;
-    disable_split_kv: none (plan()'s arguments). warp_specialized: the plan's calls run on that kernel, faster
-    unsplit than split on prefill_kernel (attention_ws.takes_16bit): only fixed chunks split it.
+    disable_split_kv: none (plan()'s arguments). warp_specialized: a function saying whether the plan's calls
+    run on that kernel, faster unsplit than split on prefill_kernel (attention_ws.takes_16bit), asked only of a
+    plan that would split: only fixed chunks split such a plan.
     SERVEATTN_PREFILL_SPLIT=0 turns splitting off; SERVEATTN_PREFILL_SPLIT_CHUNK=N forces chunks of N tokens
     (tests, measuring)."""
     if disable_split_kv:
@@ -190,8 +191,9 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     target = SPLIT_PROGRAMS_PER_SM * num_sms
     forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
-    if num_items == 0 or (not forced and (programs >= target or warp_specialized)) \
-            or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
+    if num_items == 0 or (programs >= target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
+        return None
+    if not forced and warp_specialized is not None and warp_specialized():
         return None
     max_kv = int(np.maximum.reduce(kv_lens))
     if forced:
@@ -378,13 +380,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
         # split items (split or not: the captured kernel is the split one)
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
-        # the warp-specialized kernel's plans stay unsplit; an fp8 cache reaches it through a widened copy of
-        # K and V (2 bytes a value each), made only where that fits GATHER_MAX_BYTES
-        ws = items and attention_kernel.attention_ws is not None and attention_kernel.attention_ws.takes_16bit(
-            plan, graph_tiles, kv_dtype.itemsize == 1
-            and 4 * int(np.add.reduce(kv_lens)) * num_kv_heads * head_dim <= attention_kernel.GATHER_MAX_BYTES)
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
-                            warp_specialized=ws) if items else None
+                            warp_specialized=lambda: _warp_specialized(plan, kv_lens, graph_tiles)) \
+            if items else None
         need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
         if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
             policy.refuse(entry, f"float_workspace_buffer holds {workspace_bytes} bytes for split-KV but "
@@ -405,6 +403,16 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             plan.mask, plan.mask_indptr = segment_packbits(mask_host, _mask_indptr(*mask_lens), bitorder="little")
         plan.tree_mask = tree_mask
     return plan
+
+
+def _warp_specialized(plan: Plan, kv_lens, graphed: bool) -> bool:
+    """Whether the plan's calls will run on the warp-specialized kernel (split_chunk leaves those unsplit); an fp8
+    cache reaches it through a widened copy of K and V (2 bytes a value each), made where that fits
+    GATHER_MAX_BYTES."""
+    ws = attention_kernel.attention_ws
+    fits = plan.kv_dtype.itemsize == 1 and (4 * int(np.add.reduce(kv_lens)) * plan.num_kv_heads * plan.head_dim
+                                            <= attention_kernel.GATHER_MAX_BYTES)
+    return ws is not None and ws.takes_16bit(plan, graphed, fits)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -188,8 +188,11 @@ def test_split_rule_and_work_list():
     assert prefill.split_chunk(qo, np.array([256]), 4, tiles, 8, 132, 1) is None  # one chunk: nothing to cut
     assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 3136  # 32 splits, block-rounded
     # a plan the warp-specialized kernel serves stays unsplit, unless its chunks are fixed (batch invariance)
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, warp_specialized=True) is None
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, 1024, warp_specialized=True) == 1024
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, warp_specialized=lambda: True) is None
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, 1024, warp_specialized=lambda: True) == 1024
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1, warp_specialized=lambda: False) == 256
+    # asked only of a plan that would split
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 17, warp_specialized=lambda: 1 / 0) is None
     qo_lens, kv_lens = np.array([3, 0, 40, 1]), np.array([500, 77, 130, 64])
     work, n, merge, m, rows = prefill.build_split_work(qo_lens, kv_lens, 4, 16, 128)
     assert merge[0] == m == 3 + 40 and rows == 3 * 4 + 40 * 2
