@@ -25,6 +25,7 @@
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
+#   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
@@ -152,7 +153,7 @@ step_fuzz() {  # the differential fuzzer on the GPU: the compiled kernels, fast 
 }
 
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)
-  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_call_gap.py ${PROBE_ARGS:-} 2>&1 \
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_call_gap.py ${PROBE_ARGS:-} 2>&1 \
     | grep -v "Warn\|warn" | tee "$OUT/probe-call-gap.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -164,7 +165,7 @@ step_probe_decode_trace() {  # small-batch decode: SERVEATTN_DECODE_TRACE stamps
 }
 
 step_probe_ws_trace() {  # warp-specialized prefill: where a task's cycles go (SERVEATTN_PREFILL_WS_TRACE stamps)
-  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_ws_trace.py ${PROBE_ARGS:-} 2>&1 \
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_ws_trace.py ${PROBE_ARGS:-} 2>&1 \
     | grep -v "Warn\|warn_once" | tee "$OUT/probe-ws-trace.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -361,6 +362,12 @@ step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, t
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_batch_invariant() {  # what batch-invariant plans cost (PROBE_ARGS: --cases, --rounds)
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-240}" python3 scripts/probe_batch_invariant.py \
+    ${PROBE_ARGS:-} 2>&1 | grep -v "Warn\|warn" | tee "$OUT/probe-batch-invariant.txt"
   return "${PIPESTATUS[0]}"
 }
 
