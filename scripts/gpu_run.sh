@@ -26,6 +26,7 @@
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
+#   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
@@ -153,7 +154,7 @@ step_fuzz() {  # the differential fuzzer on the GPU: the compiled kernels, fast 
 }
 
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)
-  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_call_gap.py ${PROBE_ARGS:-} 2>&1 \
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_call_gap.py ${PROBE_ARGS:-} 2>&1 \
     | grep -v "Warn\|warn" | tee "$OUT/probe-call-gap.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -165,7 +166,7 @@ step_probe_decode_trace() {  # small-batch decode: SERVEATTN_DECODE_TRACE stamps
 }
 
 step_probe_ws_trace() {  # warp-specialized prefill: where a task's cycles go (SERVEATTN_PREFILL_WS_TRACE stamps)
-  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_ws_trace.py ${PROBE_ARGS:-} 2>&1 \
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_ws_trace.py ${PROBE_ARGS:-} 2>&1 \
     | grep -v "Warn\|warn_once" | tee "$OUT/probe-ws-trace.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -347,7 +348,7 @@ step_probe_fast_launch() {  # kernels/launch.py's fast path: bitwise Triton's la
 }
 
 step_probe_prefill_split() {  # split-KV on the prefill kernel: SERVEATTN_PREFILL_SPLIT=0/1 in turn (PROBE_ARGS: --cases)
-  PYTHONPATH="$ROOT:$ROOT/scripts" timeout "${PROBE_TIMEOUT:-240}" python3 scripts/probe_prefill_split.py ${PROBE_ARGS:-} \
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-240}" python3 scripts/probe_prefill_split.py ${PROBE_ARGS:-} \
     2>&1 | grep -v "Warn\|warn" | tee "$OUT/probe-prefill-split.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -368,6 +369,12 @@ step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, t
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_batch_invariant() {  # what batch-invariant plans cost (PROBE_ARGS: --cases, --rounds)
+  PYTHONPATH="$ROOT/scripts:$PYTHONPATH" timeout "${PROBE_TIMEOUT:-240}" python3 scripts/probe_batch_invariant.py \
+    ${PROBE_ARGS:-} 2>&1 | grep -v "Warn\|warn" | tee "$OUT/probe-batch-invariant.txt"
   return "${PIPESTATUS[0]}"
 }
 
