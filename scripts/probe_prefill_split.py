@@ -8,7 +8,9 @@ timed in turn (do_bench median, the L2 flushed), beside FlashInfer's tensor-core
 
 Cases: tc-BxKV (the decode wrapper, use_tensor_cores=True, backend="triton": the prefill kernel, one row per
 request), tree-BxKV (5-node trees on that route), chunk-BxQxKV (the paged prefill wrapper, causal, Q new
-tokens per request over KV keys: chunked prefill). GQA 32/8, head dim 128, bf16, page 16, shuffled pages.
+tokens per request over KV keys: chunked prefill); a "pN" suffix takes pages of N tokens (chunk-1x256x16384p1:
+SGLang's page size 1, which the warp-specialized kernel reads only through a copy). GQA 32/8, head dim 128, bf16,
+page 16 unless suffixed, shuffled pages.
 """
 import argparse
 import os
@@ -19,15 +21,16 @@ import serveattn
 from serveattn.bench import common
 
 HQ, HKV, D, PS = 32, 8, 128, 16
-DEFAULT = "tc-1x8192,tc-8x4096,tc-32x2048,tree-1x8192,tree-8x4096,chunk-1x256x16384,chunk-1x512x32768,chunk-4x128x8192"
+DEFAULT = ("tc-1x8192,tc-8x4096,tc-32x2048,tree-1x8192,tree-8x4096,chunk-1x256x16384,chunk-1x512x32768,"
+           "chunk-4x128x8192,chunk-1x256x16384p1,chunk-4x128x8192p1")
 
 
-def _table(batch, kv):
-    pages = -(-kv // PS)
+def _table(batch, kv, ps=PS):
+    pages = -(-kv // ps)
     perm = torch.randperm(batch * pages + 7, device="cuda").to(torch.int32)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
-    last = torch.full((batch,), kv - (pages - 1) * PS, dtype=torch.int32, device="cuda")
-    cache = torch.randn(batch * pages + 7, 2, PS, HKV, D, dtype=torch.bfloat16, device="cuda")
+    last = torch.full((batch,), kv - (pages - 1) * ps, dtype=torch.int32, device="cuda")
+    cache = torch.randn(batch * pages + 7, 2, ps, HKV, D, dtype=torch.bfloat16, device="cuda")
     return indptr, perm[: batch * pages], last, cache
 
 
@@ -35,15 +38,17 @@ def _ours(case, ws, graph=False):
     """() -> None running the case once, after its plan (the plan is redone per setting: the switch is read there);
     graph: the decode wrapper's call captured and replayed."""
     kind, shape = case.split("-", 1)
+    shape, _, ps = shape.partition("p")  # a "pN" suffix: pages of N tokens (SGLang's 1, say) instead of PS
+    ps = int(ps) if ps else PS
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
-    indptr, indices, last, cache = _table(batch, kv)
+    indptr, indices, last, cache = _table(batch, kv, ps)
     if kind == "chunk":
         rows = dims[1]
         qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
         q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
         w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
-        w.plan(qo, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=torch.bfloat16)
+        w.plan(qo, indptr, indices, last, HQ, HKV, D, ps, causal=True, q_data_type=torch.bfloat16)
         plan = w._plan
     else:
         kw = dict(tree_parents=[[-1, 0, 0, 1, 1]] * batch) if kind == "tree" else {}
@@ -53,7 +58,7 @@ def _ours(case, ws, graph=False):
                     paged_kv_last_page_len_buffer=torch.empty_like(last)) if graph else {}
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton",
                                                          use_cuda_graph=graph, **bufs)
-        w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, **kw)
+        w.plan(indptr, indices, last, HQ, HKV, D, ps, q_data_type=torch.bfloat16, **kw)
         plan = w._prefill._plan
     out = torch.empty_like(q)
     split = "no split" if not plan.num_merge else \
