@@ -17,6 +17,7 @@ import torch
 
 import serveattn
 from serveattn.bench import common
+from probe_inputs import shuffled_pages  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 DEFAULT = ("prefill-32x16x2048,prefill-8x128x4096,prefill-4x512x8192,prefill-1x2048x2048,"
@@ -26,21 +27,12 @@ SETTINGS = {"ordinary": dict(fixed_split_size=-1, disable_split_kv=False),
             "disabled": dict(disable_split_kv=True)}
 
 
-def _table(batch, kv):
-    pages = -(-kv // PS)
-    perm = torch.randperm(batch * pages + 7, device="cuda").to(torch.int32)[: batch * pages]
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
-    last = torch.full((batch,), kv - (pages - 1) * PS, dtype=torch.int32, device="cuda")
-    cache = torch.randn(batch * pages + 7, 2, PS, HKV, D, dtype=torch.bfloat16, device="cuda")
-    return indptr, perm, last, cache
-
-
 def _call(case, ws, setting):
     """() -> None: the case's run() after its plan under the setting's split arguments."""
     kind, shape = case.split("-", 1)
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
-    indptr, indices, last, cache = _table(batch, kv)
+    indptr, indices, last, cache = shuffled_pages(batch, kv, PS, HKV, D)
     if kind == "prefill":
         rows = dims[1]
         qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
