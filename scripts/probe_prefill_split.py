@@ -19,19 +19,11 @@ import torch
 
 import serveattn
 from serveattn.bench import common
+from probe_inputs import shuffled_pages  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 DEFAULT = ("tc-1x8192,tc-8x4096,tc-32x2048,tree-1x8192,tree-8x4096,chunk-1x256x16384,chunk-1x512x32768,"
            "chunk-4x128x8192,chunk-1x256x16384p1,chunk-4x128x8192p1")
-
-
-def _table(batch, kv, ps=PS):
-    pages = -(-kv // ps)
-    perm = torch.randperm(batch * pages + 7, device="cuda").to(torch.int32)
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * pages
-    last = torch.full((batch,), kv - (pages - 1) * ps, dtype=torch.int32, device="cuda")
-    cache = torch.randn(batch * pages + 7, 2, ps, HKV, D, dtype=torch.bfloat16, device="cuda")
-    return indptr, perm[: batch * pages], last, cache
 
 
 def _ours(case, ws, graph=False):
@@ -42,7 +34,7 @@ def _ours(case, ws, graph=False):
     ps = int(ps) if ps else PS
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
-    indptr, indices, last, cache = _table(batch, kv, ps)
+    indptr, indices, last, cache = shuffled_pages(batch, kv, ps, HKV, D)
     if kind == "chunk":
         rows = dims[1]
         qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
