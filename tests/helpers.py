@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +102,16 @@ def check_lse(lse, ref_lse):
 
 def nan_like(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_for_sm90(dump, *args: str, **env: str) -> None:
+    """scripts/compile_probe.py with args (its ttgir/ptx/llir/sass written into the folder dump) in a fresh process:
+    the suite runs under TRITON_INTERPRET=1, which neither Gluon nor a real compile takes; env: switches to set."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(PYTHONPATH=ROOT, **env)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), *args, "--dump", str(dump)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]

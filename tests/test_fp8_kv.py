@@ -1,9 +1,6 @@
 """fp8 KV caches under a 16-bit query: every route equals, bitwise, the same call on cache.to(q.dtype)."""
 import itertools
-import os
 import re
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -14,11 +11,10 @@ import triton.language as tl
 import serveattn
 from serveattn.kernels.common import widen
 from serveattn import reference
-from helpers import make_paged_batch, rel_err
+from helpers import compile_for_sm90, make_paged_batch, rel_err
 
 ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUTES = ["single_prefill", "ragged", "paged", "decode", "decode_tc", "single_decode", "cascade"]
 
 
@@ -197,13 +193,8 @@ def test_widening_through_fp16_and_fp32_is_exact_for_every_code(enc):
 
 
 def _decode_sass(tmp_path, widen_mode: str, kv: str) -> tuple:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, SERVEATTN_FAST_WIDEN=widen_mode)
     out = tmp_path / f"{kv}-{widen_mode}"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "decode", "--kv", kv,
-           "--tiles", "16,64,2,6", "--dump", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6", SERVEATTN_FAST_WIDEN=widen_mode)
     return (out / "decode.sass").read_text(), (out / "decode.ptx").read_text()
 
 

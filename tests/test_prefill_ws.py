@@ -10,8 +10,7 @@ import torch
 
 from serveattn.kernels import attention_ws as ws
 from serveattn.kernels.common import ROWSUM_MMA
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, compile_for_sm90
 
 
 @pytest.mark.parametrize("dtype, head_dim, softmax_fma", [("bf16", 128, "0"), ("bf16", 64, "0"), ("fp8e4nv", 128, "0"),
@@ -19,13 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_compiles_for_sm90_with_the_designed_schedule(dtype, head_dim, softmax_fma, tmp_path):
     """Compiled in a fresh process (the suite runs under TRITON_INTERPRET=1, which Gluon does not take), also with
     SERVEATTN_SOFTMAX_FMA=1 (scale and row max in one fma, as prefill_kernel under the same switch)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT
-    env["SERVEATTN_SOFTMAX_FMA"] = softmax_fma
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
-           "--q", dtype, "--head-dim", str(head_dim), "--dump", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    compile_for_sm90(tmp_path, "--kernel", "prefill-ws", "--q", dtype, "--head-dim", str(head_dim),
+                     SERVEATTN_SOFTMAX_FMA=softmax_fma)
     ptx = (tmp_path / "prefill-ws.ptx").read_text()
     # two consumer groups, each: S(0) before the loop, S(j+1) and P.V(j) in it, the last P.V after it (head_dim / 16
     # and BLOCK_N / 16 k-steps)
@@ -50,13 +44,9 @@ def test_fp8_key_order_hands_p_over_without_lane_shuffles(tmp_path):
     SHFL 96 -> 32, PRMT 584 -> 519, 6840 -> 6600 instructions)."""
     shuffles = {}
     for key_order in ("0", "1"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(PYTHONPATH=ROOT, SERVEATTN_FP8_KEY_ORDER=key_order)
         out = tmp_path / key_order
-        cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
-               "--q", "fp8e4nv", "--kv", "fp8e4nv", "--vt", "--dump", str(out)]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        compile_for_sm90(out, "--kernel", "prefill-ws", "--q", "fp8e4nv", "--kv", "fp8e4nv", "--vt",
+                         SERVEATTN_FP8_KEY_ORDER=key_order)
         ptx = (out / "prefill-ws.ptx").read_text()
         shuffles[key_order] = len(re.findall(r"shfl\.sync", ptx))
     assert shuffles["1"] < shuffles["0"], shuffles
@@ -66,12 +56,7 @@ def test_measuring_switches_compile(tmp_path):
     """The measuring switch SERVEATTN_PREFILL_WS_TRACE (%clock64 stamps into the LSE buffer, scripts/probe_ws_trace.py)
     keeps compiling, beside the default epilogue (the output through shared memory: 16-byte stores, 8 a thread,
     instead of 32 of 4 bytes)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, SERVEATTN_PREFILL_WS_TRACE="1")
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), "--kernel", "prefill-ws",
-           "--q", "bf16", "--dump", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    compile_for_sm90(tmp_path, "--kernel", "prefill-ws", "--q", "bf16", SERVEATTN_PREFILL_WS_TRACE="1")
     ptx = (tmp_path / "prefill-ws.ptx").read_text()
     assert "%clock64" in ptx
     # two consumer groups, 8 stores each of 16-byte pieces of whole rows
