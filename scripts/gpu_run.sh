@@ -367,9 +367,10 @@ step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, t
 }
 
 step_probe_fp8_split() {  # fp8-KV decode vs bf16 at 64x8192 / 128x4096 with more, shorter programs: fixed
-  # splits under fewer stages (39 KB of shared memory a CTA at 2-4 stages against 56 KB at 6: 5 CTAs an SM, not 4)
+  # splits under fewer stages or smaller tiles (shared memory a CTA: 39 KB at 64 keys and 2-4 stages against 56 KB
+  # at 6, so 5 CTAs an SM, not 4; 21 KB at 32 keys on one warp, 10)
   timeout 240 python3 scripts/probe_fp8.py --backend triton --cases 64x8192,128x4096 \
-    --tiles "${SPLIT_TILES:-16,64,2,6;16,64,2,3}" --fixed-split "${FIXED_SPLITS:-none;4096;2048;1024}" 2>&1 \
+    --tiles "${SPLIT_TILES:-16,64,2,6;16,64,2,3;16,32,1,4}" --fixed-split "${FIXED_SPLITS:-none;4096;2048;1024}" 2>&1 \
     | grep -v "backend='auto'" | tee "$OUT/probe-fp8-split.txt"
   return "${PIPESTATUS[0]}"
 }
