@@ -27,6 +27,7 @@
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
 #   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
+#   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
 #   scripts/gpu_run.sh fi-setup fi-warm bench-prefill fi-save-cache  # FlashInfer as a peer in the same process (carry .fi)
@@ -369,6 +370,15 @@ step_probe_widen() {  # fp8 -> bf16 through fp16/fp32 (SERVEATTN_FAST_WIDEN=3, t
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-widen.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_fp8_split() {  # fp8-KV decode vs bf16 at 64x8192 / 128x4096 with more, shorter programs: fixed
+  # splits under fewer stages or smaller tiles (shared memory a CTA: 39 KB at 64 keys and 2-4 stages against 56 KB
+  # at 6, so 5 CTAs an SM, not 4; 21 KB at 32 keys on one warp, 10)
+  timeout 240 python3 scripts/probe_fp8.py --backend triton --cases 64x8192,128x4096 \
+    --tiles "${SPLIT_TILES:-16,64,2,6;16,64,2,3;16,32,1,4}" --fixed-split "${FIXED_SPLITS:-none;4096;2048;1024}" 2>&1 \
+    | grep -v "backend='auto'" | tee "$OUT/probe-fp8-split.txt"
   return "${PIPESTATUS[0]}"
 }
 

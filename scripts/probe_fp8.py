@@ -6,11 +6,15 @@ bitwise contract can be measured, e.g. SERVEATTN_FP8_BOUNDARY=0 (no operand boun
 SERVEATTN_DECODE_TILES=16,256,8,3 (another tile). Prints one line per case:
 
     PYTHONPATH=$PWD python3 scripts/probe_fp8.py [--cases 64x8192,128x4096] [--tc] [--tiles "16,128,4,3;16,128,4,5"]
-        [--backend triton] [--kv-heads 4] [--q-dtype float16]
+        [--backend triton] [--kv-heads 4] [--q-dtype float16] [--fixed-split "none;4096;2048"]
 
 --tiles sweeps decode tile configurations in one process (each sets SERVEATTN_DECODE_TILES, with --tc
 SERVEATTN_PREFILL_TILES, for both plans) and says whether the fp8 output equals, bitwise, the 16-bit run on the
 dequantized cache under the same tiles.
+
+--fixed-split sweeps plan(fixed_split_size=...) for both plans ("none": the plan's own split), inside each tile
+configuration: at large batches (64x8192: 512 programs, ~4 a SM) it gives the fp8 loop more, shorter programs to
+hide its widening's latency behind (both dtypes get the same split, so the bits still agree).
 """
 import argparse
 import os
@@ -31,6 +35,8 @@ def main():
     ap.add_argument("--tiles", default="", help="';'-separated SERVEATTN_DECODE_TILES values to sweep")
     ap.add_argument("--backend", default="auto", help="auto, or triton: the route --tc names for both caches")
     ap.add_argument("--kv-heads", type=int, default=HKV, help="KV heads for the 32 query heads (group = 32 / this)")
+    ap.add_argument("--fixed-split", default="none",
+                    help="';'-separated fixed_split_size values for both plans, 'none' for the plan's own")
     ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float16"),
                     help="the query's dtype, and the 16-bit cache's (e4m3 widens to fp16 in one cvt a pair, to bf16 "
                          "by the exact integer path)")
@@ -45,6 +51,11 @@ def main():
 
 def probe(args):
     knobs = {k: v for k, v in os.environ.items() if k.startswith("SERVEATTN_")}
+    for split in args.fixed_split.split(";"):
+        probe_split(args, knobs, None if split == "none" else int(split))
+
+
+def probe_split(args, knobs, fixed_split):
     for case in args.cases.split(","):
         batch, kv = map(int, case.split("x"))
         pages = kv // PS
@@ -62,17 +73,18 @@ def probe(args):
         for name, c in cache.items():
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
                                                              use_tensor_cores=args.tc, backend=args.backend)
-            w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=args.q_dtype, kv_data_type=c.dtype)
+            w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=args.q_dtype, kv_data_type=c.dtype,
+                   fixed_split_size=fixed_split)
             out = torch.empty_like(q)
             outs[name] = out
             ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
                                                rep=100, return_mode="median")
         block_n = os.environ.get(args.tiles_env, "16,0").split(",")[1]
-        same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n), out), out)
+        same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n, fixed_split), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
-        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} {knobs}: 16-bit {ms['16-bit']:.4f} ms "
-              f"({2 * kv_bytes / ms['16-bit'] / 1e9:.2f} TB/s), "
+        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} split={fixed_split} {knobs}: "
+              f"16-bit {ms['16-bit']:.4f} ms ({2 * kv_bytes / ms['16-bit'] / 1e9:.2f} TB/s), "
               f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/16-bit speed "
               f"{ms['16-bit'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['16-bit'])}, "
               f"same bits as the first tiles with this block_n {all(same)}", flush=True)

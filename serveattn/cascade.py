@@ -145,11 +145,11 @@ def merge_states(v, s, *, backend: str = "auto"):
 _LEVEL_ARRAYS = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr", "paged_kv_last_page_len")
 
 
-def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan) -> None:
+def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan):
     """The refusals that a level's commit would raise under use_cuda_graph=True, made up front: a level's
-    commit overwrites its captured buffers, so every level must be known to pass before the first commits."""
-    if plan.backend == "triton":
-        level.check_graph_plan(entry, plan)
+    commit overwrites its captured buffers, so every level must be known to pass before the first commits.
+    Returns the buffers the commit writes (allocated here at a level's first plan), None for the torch backend."""
+    return level.check_graph_plan(entry, plan) if plan.backend == "triton" else None
 
 
 class MultiLevelCascadeAttentionWrapper:
@@ -242,13 +242,14 @@ class MultiLevelCascadeAttentionWrapper:
             if plan.total_q != total_q:
                 policy.refuse(entry, f"qo_indptr_arr[{i}][-1]={plan.total_q} but qo_indptr_arr[0][-1]={total_q}; "
                                      f"every level must cover the same query rows.")
+        graph_bufs = [None] * self._num_levels
         if self._use_cuda_graph:
-            for i, (level, plan) in enumerate(zip(self._levels, plans)):
-                _check_graph_install(f"{entry} (level {i})", level, plan)
+            graph_bufs = [_check_graph_install(f"{entry} (level {i})", level, plan)
+                          for i, (level, plan) in enumerate(zip(self._levels, plans))]
         scratch = self._scratch_for(entry, plans[-1])
-        # Nothing below raises: install every level, then the intermediates.
-        for level, plan in zip(self._levels, plans):
-            level._commit(plan)
+        # Nothing below raises: install every level (into the buffers checked above), then the intermediates.
+        for level, plan, bufs in zip(self._levels, plans, graph_bufs):
+            level._commit(plan, bufs)
         self._level_out, self._level_lse, self._merged_lse = scratch
         self._total_q = total_q
         self._planned = True

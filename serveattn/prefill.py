@@ -663,12 +663,14 @@ class _PrefillWrapper:
             return self._workspace_bytes
         return self._workspace_bytes - _graph_split(self._workspace) if self._graph_split_kv else 0
 
-    def _commit(self, plan: Plan) -> None:
-        """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs)."""
+    def _commit(self, plan: Plan, graph_bufs: Optional[staging.Captured] = None) -> None:
+        """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs).
+        graph_bufs: what check_graph_plan returned for this plan (a caller that checked it already), else checked
+        here."""
         if plan.backend != "torch":
             plan = transposed_v(plan, self._use_cuda_graph)
             if self._use_cuda_graph:
-                plan = self._install_graph_plan(plan)
+                plan = self._install_graph_plan(plan, graph_bufs)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
                 # the plan is this call's own (make_plan built it): set the device arrays in place; a replace()
                 # of this 45-field dataclass cost about 10 us of host time per plan
@@ -687,10 +689,13 @@ class _PrefillWrapper:
         if self._use_cuda_graph and self._held is None:
             self._held = plan.decision  # the first resolution holds: the captured graph reads its buffers
 
-    def _install_graph_plan(self, plan: Plan) -> Plan:
-        """Writes the plan's arrays into the buffers a captured graph reads; checks everything first."""
+    def _install_graph_plan(self, plan: Plan, bufs: Optional[staging.Captured] = None) -> Plan:
+        """Writes the plan's arrays into the buffers a captured graph reads; checks everything first (unless the
+        caller passes the buffers check_graph_plan returned for this plan: the cascade wrapper checks every level
+        before any commits, and a first plan's check allocates them)."""
         signature = plan.static_signature()
-        bufs = self.check_graph_plan(self._entry + ".plan", plan, signature)
+        if bufs is None:
+            bufs = self.check_graph_plan(self._entry + ".plan", plan, signature)
         # Every check passed: only now are the captured buffers overwritten (one staged copy: staging.to_buffers).
         arrays = {n: t for n in _ARRAYS if (t := getattr(plan, n)) is not None}
         staging.to_buffers(arrays, bufs)

@@ -274,6 +274,28 @@ def test_graph_mode_rejected_replan_leaves_buffers(device):
     assert torch.equal(out, before)
 
 
+def test_graph_mode_first_plan_allocates_each_level_once(device, monkeypatch):
+    """Every level is checked before any commits; the buffers a level's first check allocates are the ones its
+    commit writes and the captured graph reads (not allocated a second time at commit)."""
+    q, b, arr = _two_level(device)
+    w = cascade.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 16, dtype=torch.uint8, device=device),
+                                                  use_cuda_graph=True, backend="triton")
+    made = []
+    for level in w._levels:
+        real = level._allocate_graph_buffers
+        monkeypatch.setattr(level, "_allocate_graph_buffers",
+                            lambda *a, real=real: made.append(real(*a)) or made[-1])
+    w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, causal=True)
+    assert len(made) == 2
+    for level, bufs in zip(w._levels, made):
+        assert all(level._graph_bufs[name] is t for name, t in bufs.items())
+    out = w.run(q, b.cache)
+    ref_out, _ = _flat_reference(q.cpu(), b, [2, 3, 1], [[3], [1, 1, 1]], [[11], [4, 6, 3]], True)
+    assert rel_err(out, ref_out) < tolerance(torch.float16)
+    w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, causal=True)  # a re-plan: none
+    assert len(made) == 2
+
+
 # ---------------------------------------------------------------- refusals
 
 def _state_args(device, rows=3, heads=2, dim=64, dtype=torch.float16):
