@@ -24,7 +24,8 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, check_workspace_reset
+from .prefill import single_prefill_with_kv_cache, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -238,6 +239,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
+        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
+        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
+                              self._use_cuda_graph)
+        self._workspace = float_workspace_buffer
+        self._plan = self._prefill = self._partials_memo = self._done_count = None
+        self._variants = _Variants()
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
@@ -256,7 +270,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"those after kv_data_type by keyword (their order differs between FlashInfer "
                                  f"releases).")
         if unsupported_kwargs:
-            policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
+            policy.extra_kwargs(entry, unsupported_kwargs)
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
         tree = None
@@ -341,6 +355,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
+        qo_indptr = qo_indptr.view(PlannedIndptr)  # make_plan trusts it (built here, valid by construction)
         wrapper = self._prefill
         # one inner wrapper while the route holds (under CUDA graphs it always does): a new one a plan cost ~3-8 us
         if wrapper is None or wrapper._backend_request != route:
@@ -403,7 +418,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             size = staging.size(getattr(plan, name))
             if size > bufs.caps[name]:
                 policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its "
-                                     f"{name} buffer, which holds {bufs.caps[name]}.")
+                                     f"{name} buffer, which holds {bufs.caps[name]} ({_GRAPH_BUFFER_SOURCE[name]}).")
         # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
         arrays = {n: getattr(plan, n) for n in names}
         if "req_num_slots" in arrays:
@@ -445,8 +460,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan = self._prefill._plan if self._prefill is not None else self._plan
             _run_extras(entry, plan, window_left, unsupported_kwargs)
         if q_scale is not None:
-            policy.unsupported(entry, "q_scale is not served; an fp8 query takes the descale tensors scale_q, "
-                                      "scale_k, scale_v (use_tensor_cores=True).")
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if q_len_per_req is not None:
             warnings.warn("q_len_per_req belongs to plan(); passing it to run() is deprecated.", DeprecationWarning,
                           stacklevel=2)
@@ -456,11 +471,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._prefill is not None:
             return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q,
                                      scale_k=scale_k, scale_v=scale_v, out=out, lse=lse, return_lse=return_lse)
-        if scale_q is not None or scale_k is not None or scale_v is not None:  # with none given it passes
-            policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")
+        if scale_q is not None or scale_k is not None or scale_v is not None:  # with none given it passes
+            policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale, plan.q_dtype)
         kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
             else _pair_views(paged_kv_cache, self._kv_layout)
         if kv is not None and _plain_run(plan, q, kv, out, self._kv_layout, plan.batch * plan.q_len):
@@ -571,6 +586,14 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
                                 "use_tensor_cores=True.")
 
 
+# what sizes each captured buffer, in the caller's terms (refusals name it)
+_GRAPH_BUFFER_SOURCE = {
+    "work": "sized at the first plan from the batch capacity and the workspace", "num_work": "one entry",
+    "req_first_slot": "the batch capacity: paged_kv_last_page_len_buffer's size",
+    "req_num_slots": "the batch capacity: paged_kv_last_page_len_buffer's size",
+    "kv_indptr": "paged_kv_indptr_buffer, given at construction",
+    "kv_indices": "paged_kv_indices_buffer, given at construction",
+    "last_page_len": "paged_kv_last_page_len_buffer, given at construction"}
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
 # What the kernels read on the device: a work item carries its request's KV start and length and its slots, so
 # kv_indptr and last_page_len stay on the host, and the request arrays are merge_kernel's alone (unfused merges).
@@ -648,6 +671,7 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
                                  f"[num_pages, {', '.join(map(str, want))}].")
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
+    policy.check_same_pages(entry, k, v)
     if plan.max_page >= k.shape[0]:
         policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's {k.shape[0]} "
                              f"pages.")
@@ -666,13 +690,12 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         policy.refuse(entry, f"q must be a 2-D [num_qo_heads, head_dim] tensor, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
-    if q_scale is not None:
-        policy.unsupported(entry, "q_scale (an fp8 query) is not served yet.")
+    k_scale = policy.fold_q_scale(entry, q_scale, k_scale)
     policy.check_kv_layout(entry, kv_layout)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             policy.refuse(entry, f"{name} must be a 3-D tensor.")
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     route = backends.resolve(entry, backend, q.device)
     if route == "triton" and use_tensor_cores and backend == "auto" and pos_encoding_mode == "NONE":
         # use_tensor_cores=True is a hint under auto, as for the batch wrapper: the table decides for one request
@@ -701,7 +724,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     if k.shape[2] != q.shape[1]:
         policy.refuse(entry, f"q has head dim {q.shape[1]} but k has {k.shape[2]}.")
     policy.check_same_device(entry, q.device, k=k, v=v)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):  # the kernel reads each row's head dim at unit stride
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
     plan = make_decode_plan(entry, q.device, np.array([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,

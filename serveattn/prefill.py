@@ -263,6 +263,10 @@ def _tiles(qo_len, group: int, block_m: int):
     return (qo_len * group + block_m - 1) // block_m
 
 
+class PlannedIndptr(np.ndarray):
+    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks)."""
+
+
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -272,8 +276,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
-    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
-    request, valid by construction).
+    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
+    request, valid by construction; any other numpy array is the caller's, and refused as a tensor would be).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     graph_split_kv: under use_cuda_graph=True, every plan takes split-KV's items (decode's tensor-core route).
@@ -304,7 +308,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
 
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
-    if isinstance(qo_indptr, np.ndarray):  # int32, built by the decode planner: valid by construction
+    if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
         qo_np = qo_indptr.astype(np.int64)
         qo_lens = qo_np[1:] - qo_np[:-1]
     else:
@@ -446,7 +450,16 @@ def _mask_indptr(qo_lens, kv_lens):
 def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> torch.Tensor:
     """Returns the flat bool mask on the host (a packed mask is unpacked once, here)."""
     bits = int((qo_lens * kv_lens).sum())
+    for name, mask in (("custom_mask", custom_mask), ("packed_custom_mask", packed_custom_mask)):
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            policy.refuse(entry, f"{name} is a {type(mask).__name__}; it must be a torch.Tensor.")
     if custom_mask is not None:
+        if custom_mask.dim() > 1 and (qo_lens.numel() != 1 or
+                                      tuple(custom_mask.shape) != (int(qo_lens[0]), int(kv_lens[0]))):
+            want = f"[{int(qo_lens[0])}, {int(kv_lens[0])}]" if qo_lens.numel() == 1 else "none for a batch"
+            policy.refuse(entry, f"custom_mask has shape {tuple(custom_mask.shape)}; a mask is 1-D (each request's "
+                                 f"[qo_len, kv_len] block flattened row-major, concatenated) or, for one request, "
+                                 f"[qo_len, kv_len] ({want}).")
         if custom_mask.dtype != torch.bool:
             policy.refuse(entry, f"custom_mask has dtype {custom_mask.dtype}; it must be bool.")
         if custom_mask.numel() != bits:
@@ -480,7 +493,7 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
                                  f"or a (k_cache, v_cache) tuple.")
         k, v = cache.unbind(1)  # both views in one call (every run pays this)
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     return k, v
 
 
@@ -620,13 +633,30 @@ class _Variants:
                 wrapper._plan = plan
 
 
+def _workspace_bytes(workspace: torch.Tensor) -> int:
+    """The bytes split-KV's partial states may use: a contiguous workspace's, else none."""
+    return workspace.numel() * workspace.element_size() if workspace.is_contiguous() else 0
+
+
+def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bool) -> None:
+    if not isinstance(float_workspace_buffer, torch.Tensor):
+        policy.refuse(entry, f"float_workspace_buffer is a {type(float_workspace_buffer).__name__}; it must be a "
+                             f"torch.Tensor.")
+    if use_cuda_graph:
+        policy.unsupported(entry, "under use_cuda_graph=True the workspace holds what a captured graph reads; "
+                                  "build a new wrapper (and capture again) instead.")
+
+
 class _PrefillWrapper:
     _entry = "BatchPrefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", jit_args=None, extra_kwargs=None):
         policy.check_kv_layout(self._entry, kv_layout)
         policy.check_backend(self._entry, backend)
+        if jit_args is not None:
+            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+        policy.extra_kwargs(self._entry, extra_kwargs or {})
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
         self._workspace = float_workspace_buffer
@@ -643,8 +673,7 @@ class _PrefillWrapper:
         # the partial states after it (decode's tensor-core route, whose batches may be few long requests)
         self._graph_split_kv = False
         self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
-        self._workspace_bytes = float_workspace_buffer.numel() * float_workspace_buffer.element_size() \
-            if float_workspace_buffer.is_contiguous() else 0
+        self._workspace_bytes = _workspace_bytes(float_workspace_buffer)
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
         self._variants = _Variants()  # the plan under forward()'s settings
@@ -654,6 +683,20 @@ class _PrefillWrapper:
     @property
     def device(self) -> torch.device:
         return self._workspace.device
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
+        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
+        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
+                              self._use_cuda_graph)
+        self._workspace = float_workspace_buffer
+        self._workspace_bytes = _workspace_bytes(float_workspace_buffer)
+        self._plan = self._split_views = None
+        self._variants = _Variants()
 
     def _split_bytes(self) -> int:
         """What split-KV's partial states may take of the workspace (where it is contiguous): all of it outside CUDA
@@ -885,10 +928,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
-        if jit_args is not None:
-            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, **unsupported_kwargs):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, unsupported_kwargs)
         self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=paged_kv_indptr_buf,
                                  kv_indices=paged_kv_indices_buf, last_page_len=paged_kv_last_page_len_buf,
                                  mask=custom_mask_buf, mask_indptr=mask_indptr_buf)
@@ -931,12 +972,17 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant)
         self._commit(plan)
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
-            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None,
-            **unsupported_kwargs):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
+            scale_v=None, out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            window_left=None, **unsupported_kwargs):
         """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
-        plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as."""
+        plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as; q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
+        if args:  # FlashInfer 0.7 takes fp8 descales by position here
+            _positional_run_args(entry, "q, paged_kv_cache")
+        if q_scale is not None:
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
             return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
                 q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k,
@@ -960,6 +1006,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 if t.dim() != 4 or tuple(t.shape[1:]) != want:
                     policy.refuse(entry, f"{name} cache has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
                                          f"expects [num_pages, {', '.join(map(str, want))}].")
+            policy.check_same_pages(entry, k, v)
             if plan.max_page >= k.shape[0]:
                 policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
                                      f"{k.shape[0]} pages.")
@@ -986,10 +1033,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     _entry = "BatchPrefillWithRaggedKVCacheWrapper"
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
-        if jit_args is not None:
-            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None,
+                 **unsupported_kwargs):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, unsupported_kwargs)
         self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf, mask=custom_mask_buf,
                                  mask_indptr=mask_indptr_buf)
 
@@ -1015,10 +1061,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             batch_invariant=batch_invariant)
         self._commit(plan)
 
-    def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
-            lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, **unsupported_kwargs):
-        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; lse_base / lse_layout: _lse_as."""
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
+            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; lse_base / lse_layout: _lse_as;
+        q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
+        if args:
+            _positional_run_args(entry, "q, k, v")
+        if q_scale is not None:
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
             return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
                 q, k, v, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
@@ -1029,7 +1082,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         plan = self._plan
         if plan is not None and _plain_ragged_run(plan, q, k, v, out, self._kv_layout):
             return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales, checked=True)
-        policy.check_same_kv_dtype(entry, k, v)
+        policy.check_kv_pair(entry, k, v)
         if plan is not None:
             total_kv = plan.total_kv
             want = (total_kv, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
@@ -1082,20 +1135,24 @@ def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, l
 
 
 def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
-    """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs."""
-    if kwargs:
-        policy.unsupported(entry, f"run() argument(s) {', '.join(sorted(kwargs))} are not served.")
+    """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs, but
+    at their no-op values (policy.extra_kwargs)."""
+    policy.extra_kwargs(entry, kwargs, "run() argument(s)")
     if window_left is not None and plan is not None and window_left != plan.window_left:
         policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's "
                              f"{plan.window_left}; pass it to plan().")
+
+
+def _positional_run_args(entry: str, tensors: str) -> None:
+    policy.unsupported(entry, f"run() takes {tensors} by position and the rest by keyword (FlashInfer 0.7's "
+                              f"positional fp8 descales included: pass scale_q=, scale_k=, scale_v=).")
 
 
 def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None:
     if positional_rest:  # FlashInfer's later arguments (prefix_len_ptr, ...) in this place are not ours
         policy.refuse(entry, f"plan() got {len(positional_rest)} arguments after non_blocking by position; pass them "
                              f"by keyword.")
-    if kwargs:
-        policy.unsupported(entry, f"argument(s) {', '.join(sorted(kwargs))} are not served.")
+    policy.extra_kwargs(entry, kwargs)
 
 
 # single_prefill_with_kv_cache's workspace (FlashInfer's size for it): a short query over a long KV splits like a
@@ -1112,7 +1169,7 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             policy.refuse(entry, f"{name} must be a 3-D tensor, got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     if k.shape != v.shape:
         policy.refuse(entry, f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}.")
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
@@ -1122,9 +1179,9 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
     workspace = torch.empty(SINGLE_WORKSPACE_BYTES if backend != "torch" else 0, dtype=torch.uint8, device=q.device)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout, backend=backend)
     wrapper._entry = entry
-    mask = custom_mask.reshape(-1) if custom_mask is not None else None
+    # a [qo_len, kv_len] mask goes as it is: the plan checks its shape (a transposed one has the same numel)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
-                 q.shape[1], num_kv_heads, q.shape[2], custom_mask=mask, packed_custom_mask=packed_custom_mask,
+                 q.shape[1], num_kv_heads, q.shape[2], custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                  causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
                  q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
@@ -1137,7 +1194,7 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
                                  kv_layout="NHD", pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
                                  window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
                                  backend="auto", return_lse=False, k_scale=None, v_scale=None, scale_q=None,
-                                 scale_k=None, scale_v=None, o_dtype=None):
+                                 scale_k=None, scale_v=None, o_dtype=None, **unsupported_kwargs):
     """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND). The
     arguments after v come by keyword: FlashInfer 0.7 put scale_q, scale_k, scale_v, o_dtype where 0.2 had
     custom_mask, packed_custom_mask, causal."""
@@ -1145,12 +1202,13 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
         policy.refuse("single_prefill_with_kv_cache", f"got {len(positional_rest)} arguments after v by position; "
                                                       f"pass them by keyword (their order differs between "
                                                       f"FlashInfer releases).")
+    policy.extra_kwargs("single_prefill_with_kv_cache", unsupported_kwargs)
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
                            v_scale, "single_prefill_with_kv_cache", o_dtype, (scale_q, scale_k, scale_v))
 
 
-def single_prefill_with_kv_cache_return_lse(q, k, v, **kwargs):
+def single_prefill_with_kv_cache_return_lse(q, k, v, *positional_rest, **kwargs):
     """single_prefill_with_kv_cache with return_lse=True: returns (out, lse), lse in base 2."""
     kwargs["return_lse"] = True
-    return single_prefill_with_kv_cache(q, k, v, **kwargs)
+    return single_prefill_with_kv_cache(q, k, v, *positional_rest, **kwargs)
