@@ -64,14 +64,15 @@ def _merge_torch(v: torch.Tensor, s: torch.Tensor):
     if s.shape[1] == 0:
         return (v.new_zeros(v.shape[0], *v.shape[2:], dtype=torch.float32),
                 s.new_full((s.shape[0], s.shape[2]), NEG_INF))
-    s_max = s.amax(dim=1)
-    shift = s_max.masked_fill(s_max == NEG_INF, 0.0)  # all-empty rows: exp2(-inf - 0) = 0, not NaN
+    s_max = s.amax(dim=1)  # NaN propagates: a NaN state makes its row NaN, never an empty one
+    empty = s_max == NEG_INF
+    shift = s_max.masked_fill(empty, 0.0)  # all-empty rows: exp2(-inf - 0) = 0, not NaN
     weight = torch.exp2(s - shift[:, None])
-    # An empty state (weight 0) is never multiplied in: its v may hold anything.
-    weighted = torch.where(weight[..., None] > 0, v.float() * weight[..., None], 0.0).sum(dim=1)
+    # An empty state (s = -inf) is never multiplied in: its v may hold anything.
+    weighted = torch.where((s != NEG_INF)[..., None], v.float() * weight[..., None], 0.0).sum(dim=1)
     total = weight.sum(dim=1)
-    safe_total = torch.where(total > 0, total, 1.0)  # all states empty: weighted is 0, so v = 0 and s = -inf
-    return weighted / safe_total[..., None], torch.where(total > 0, shift + torch.log2(safe_total), NEG_INF)
+    safe_total = torch.where(empty, 1.0, total)  # all states empty: weighted is 0, so v = 0 and s = -inf
+    return weighted / safe_total[..., None], torch.where(empty, NEG_INF, shift + torch.log2(safe_total))
 
 
 def _merge_two(backend: str, v_a, s_a, v_b, s_b, v_out, s_out, keep=None) -> None:

@@ -111,6 +111,24 @@ def test_merge_edge_sizes(backend, device):
     assert zero_v.shape == (0, 2, 64) and zero_s.shape == (0, 2)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_of_a_nan_or_inf_state_is_nan(bad, backend, device):
+    """A NaN or +inf LSE is a broken state, not an empty one: the merged row is NaN in v and s (once it came out
+    v = 0, s = -inf, dropping the other, valid state silently); rows without it keep their bits."""
+    v, s = _states(4, 4, 3, 2, 64, torch.float16, device)
+    s[:] = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(5)).to(device)  # every state live
+    s[1, 2, 0] = bad
+    v_m, s_m = cascade.merge_states(v, s, backend=backend)
+    assert torch.isnan(v_m[1, 0]).all() and torch.isnan(s_m[1, 0])
+    clean_v, clean_s = cascade.merge_states(v[[0, 2, 3]], s[[0, 2, 3]], backend=backend)
+    assert torch.equal(v_m[[0, 2, 3]], clean_v) and torch.equal(s_m[[0, 2, 3]], clean_s)
+    assert not torch.isnan(v_m[1, 1]).any()
+    pair_v, pair_s = cascade.merge_state(v[:, 0], s[:, 0], v[:, 2], s[:, 2], backend=backend)
+    assert torch.isnan(pair_v[1, 0]).all() and torch.isnan(pair_s[1, 0])
+    assert not torch.isnan(pair_v[0]).any()
+
+
 # ---------------------------------------------------------------- cascade
 
 def _cascade_batch(seed, *, qo_lens, level_groups, level_kv_lens, heads, head_dim, page_size, dtype, layout,

@@ -3,7 +3,9 @@
 Grid: (rows, head blocks). Each program loads a `[BLOCK_H, BLOCK_D]` tile of every state of one row and
 reduces in fp32:  m = max_i s_i,  w_i = exp2(s_i - m),  v = sum_i w_i v_i / sum_i w_i,  s = m + log2(sum_i w_i).
 A state with s = -inf has weight 0 and its v is never multiplied in (so garbage there cannot leak as
-0 * inf = NaN); a row whose states are all -inf comes out v = 0, s = -inf. The states of a row are
+0 * inf = NaN); a row whose states are all -inf comes out v = 0, s = -inf. A NaN or +inf s is no empty state:
+the row comes out NaN (the max propagates NaN, exp2(inf - inf) is NaN), never a valid state's values dropped
+as if every state were empty. The states of a row are
 visited in index order, so results are bitwise reproducible. Strides are passed for every dimension:
 Triton specialises a unit D stride, which keeps the usual contiguous case vectorised.
 """
@@ -15,9 +17,9 @@ from .sizes import cdiv, next_pow2
 
 
 @triton.jit
-def _weighted(v, w):
-    """w * v, and exactly 0 where w is 0 (an empty state's v may hold anything)."""
-    return tl.where(w[:, None] > 0, v * w[:, None], 0.0)
+def _weighted(v, w, s):
+    """w * v, and exactly 0 for an empty state (s = -inf: its v may hold anything)."""
+    return tl.where((s != float("-inf"))[:, None], v * w[:, None], 0.0)
 
 
 @triton.jit
@@ -47,16 +49,17 @@ def _merge_two_kernel(
     v_b = tl.load(vb_ptr + row * s_vb_r + h64[:, None] * s_vb_h + d64[None, :] * s_vb_d, mask=tile_ok,
                   other=0.0).to(tl.float32)
 
-    s_max = tl.maximum(s_a, s_b)
+    s_max = tl.maximum(s_a, s_b, propagate_nan=tl.PropagateNan.ALL)
     # Both -inf: shift by 0 instead, so that exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
-    shift = tl.where(s_max == float("-inf"), 0.0, s_max)
+    empty = s_max == float("-inf")
+    shift = tl.where(empty, 0.0, s_max)
     w_a = tl.exp2(s_a - shift)
     w_b = tl.exp2(s_b - shift)
     total = w_a + w_b
-    # total = 0 only where both states are empty; their weighted sum is 0 too, so v = 0 and s = -inf.
-    safe_total = tl.where(total > 0, total, 1.0)
-    v = (_weighted(v_a, w_a) + _weighted(v_b, w_b)) / safe_total[:, None]
-    s = tl.where(total > 0, shift + tl.log2(safe_total), float("-inf"))
+    # both states empty: their weighted sum is 0, so v = 0 and s = -inf
+    safe_total = tl.where(empty, 1.0, total)
+    v = (_weighted(v_a, w_a, s_a) + _weighted(v_b, w_b, s_b)) / safe_total[:, None]
+    s = tl.where(empty, float("-inf"), shift + tl.log2(safe_total))
 
     tl.store(vo_ptr + row * s_vo_r + h64[:, None] * s_vo_h + d64[None, :] * s_vo_d,
              to_dtype(v, vo_ptr.dtype.element_ty), mask=tile_ok)
@@ -83,22 +86,25 @@ def _merge_many_kernel(
     # Pass 1: the largest LSE of each head, so that every weight below is <= 1 (no overflow).
     s_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for i in range(num_states):
-        s_max = tl.maximum(s_max, tl.load(s_row + i * s_s_n, mask=head_ok, other=float("-inf")))
-    shift = tl.where(s_max == float("-inf"), 0.0, s_max)
+        s_max = tl.maximum(s_max, tl.load(s_row + i * s_s_n, mask=head_ok, other=float("-inf")),
+                           propagate_nan=tl.PropagateNan.ALL)
+    empty = s_max == float("-inf")
+    shift = tl.where(empty, 0.0, s_max)
 
     # Pass 2: weighted sum in state order (fixed order: bitwise reproducible).
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(num_states):
-        w = tl.exp2(tl.load(s_row + i * s_s_n, mask=head_ok, other=float("-inf")) - shift)
+        s_i = tl.load(s_row + i * s_s_n, mask=head_ok, other=float("-inf"))
+        w = tl.exp2(s_i - shift)
         v = tl.load(v_row + i * s_v_n, mask=tile_ok, other=0.0).to(tl.float32)
-        acc += _weighted(v, w)
+        acc += _weighted(v, w, s_i)
         total += w
-    safe_total = tl.where(total > 0, total, 1.0)  # all states empty: acc is 0, so v = 0 and s = -inf
+    safe_total = tl.where(empty, 1.0, total)  # all states empty: acc is 0, so v = 0 and s = -inf
     tl.store(vo_ptr + row * s_vo_r + h64[:, None] * s_vo_h + d64[None, :] * s_vo_d,
              to_dtype(acc / safe_total[:, None], vo_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(so_ptr + row * s_so_r + h64 * s_so_h,
-             tl.where(total > 0, shift + tl.log2(safe_total), float("-inf")), mask=head_ok)
+             tl.where(empty, float("-inf"), shift + tl.log2(safe_total)), mask=head_ok)
 
 
 def _blocks(num_heads: int, head_dim: int):
