@@ -198,3 +198,27 @@ def test_work_list_keeps_each_request_together_costliest_first(causal):
     for r in reqs:
         costs = [keys(r, t) for rr, t in pairs if rr == r]
         assert costs == sorted(costs, reverse=True)
+
+
+@pytest.mark.parametrize("cap", [0.5, 1e3, 1e8])
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_soft_cap_small_and_large(cap, kind, device):
+    """c * tanh(logit / c) stays accurate at any cap: a large one (every logit far inside it) once lost the logits
+    to cancellation in 1 - 2 / (exp(2t) + 1) (cap 1e8: all flat); a small one saturates every logit."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"cap{cap}{kind}".encode()))
+    b = make_paged_batch(gen, qo_lens=[6, 1] if kind == "prefill" else [1, 1], kv_lens=[40, 23], num_qo_heads=8,
+                         num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True, logits_soft_cap=cap)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    if kind == "prefill":
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+               logits_soft_cap=cap, q_data_type=torch.bfloat16)
+    else:
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, logits_soft_cap=cap,
+               q_data_type=torch.bfloat16)
+    out, lse = w.run(b.q, b.cache, return_lse=True)
+    assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    check_lse(lse, ref_lse)
