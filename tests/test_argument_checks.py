@@ -240,13 +240,13 @@ def test_q_scale_scales_the_logits_as_k_scale_does(route, device):
     assert not torch.equal(out, plain_out)
 
 
-@pytest.mark.parametrize("wrapper", ["decode", "paged", "cascade"])
+@pytest.mark.parametrize("wrapper", ["decode", "decode-tc", "paged", "cascade"])
 def test_reset_workspace_buffer(wrapper, device):
     """FlashInfer's reset_workspace_buffer(float, int): the next plan works in the new buffer; the old plan is
     dropped (run() before a new plan() is refused); refused under use_cuda_graph=True."""
     b = _batch(device)
-    if wrapper == "decode":
-        w, q = _decode(device, b), _decode_q(b, device)
+    if wrapper.startswith("decode"):
+        w, q = _decode(device, b, wrapper == "decode-tc"), _decode_q(b, device)
         replan = lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16,  # noqa: E731
                                 q_data_type=F16)
         cache_run = lambda: w.run(q, b.cache)  # noqa: E731
