@@ -57,7 +57,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
                           kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str = "NHD",
                           *, k_scale=None, v_scale=None, backend: str = "auto") -> None:
     """Writes token t of append_key/append_value into the cache, in place, at request batch_indices[t],
-    position positions[t]: page kv_indices[kv_indptr[b] + pos // page_size], slot pos % page_size.
+    position positions[t]: page kv_indices[kv_indptr[b] + pos // page_size], slot pos % page_size. A token of
+    request -1 is padding (get_batch_indices_positions' for an nnz past the appended tokens): it is not written.
 
     K/V of the cache's dtype are copied as they are. 16-bit (float16/bfloat16) K/V appended into an fp8
     cache are quantized with k_scale / v_scale (Python floats or one-element float32 tensors on the cache's
@@ -127,8 +128,10 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
                             positions, k_cache, v_cache, kv_indices, kv_indptr,
                             k_scale=k_scale if quantize else None, v_scale=v_scale if quantize else None)
     else:
-        pos = positions.long()
-        page = kv_indices.long()[kv_indptr.long()[batch_indices.long()] + pos // page_size]
+        live = batch_indices >= 0  # request -1: padding, not written
+        append_key, append_value = append_key[live], append_value[live]
+        pos = positions[live].long()
+        page = kv_indices.long()[kv_indptr.long()[batch_indices[live].long()] + pos // page_size]
         slot = pos % page_size
         if quantize:
             append_key = _quantize_torch(append_key, k_scale, k_cache.dtype)
@@ -185,13 +188,19 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_p
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
         policy.refuse(entry, f"kv_indices holds page {bad} outside the cache's {num_pages} pages.")
-    if not batch_indices.numel():
+    live = batch_indices >= 0  # request -1: padding, not written (get_batch_indices_positions')
+    if not bool(live.any()):
+        if batch_indices.numel() and int(batch_indices.min()) < -1:
+            policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; requests are numbered "
+                                 f"0..{ip.numel() - 2}, and -1 marks padding.")
         return
     batch = ip.numel() - 1
-    b, pos = batch_indices.long(), positions.long()
-    if int(b.min()) < 0 or int(b.max()) >= batch:
-        bad = int(b.min()) if int(b.min()) < 0 else int(b.max())
-        policy.refuse(entry, f"batch_indices holds {bad}; requests are numbered 0..{batch - 1}.")
+    if int(batch_indices.min()) < -1:
+        policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; requests are numbered 0..{batch - 1}, "
+                             f"and -1 marks padding.")
+    b, pos = batch_indices[live].long(), positions[live].long()
+    if int(b.max()) >= batch:
+        policy.refuse(entry, f"batch_indices holds {int(b.max())}; requests are numbered 0..{batch - 1}.")
     owned = (ip[1:] - ip[:-1])[b]
     outside = (pos < 0) | (pos // page_size >= owned)
     if bool(outside.any()):
@@ -207,7 +216,9 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
 
     Request b appends tokens append_indptr[b]..append_indptr[b+1]-1 as the last ones of its sequence of
     seq_lens[b] tokens (the length *after* the append), so token t sits at seq_lens[b] - append_indptr[b+1] + t.
-    Both results are int32 `[nnz]`, written into `batch_indices` / `positions` when given.
+    Tokens from append_indptr[-1] on (nnz padded, e.g. to a CUDA graph's size) get request -1 and position 0, as
+    FlashInfer's: append_paged_kv_cache skips them. Both results are int32 `[nnz]`, written into `batch_indices` /
+    `positions` when given.
     """
     entry = "get_batch_indices_positions"
     policy.check_index(entry, "append_indptr", append_indptr, min_len=1)
@@ -226,9 +237,9 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     if device.type == "cpu":
         ip = append_indptr.long()
         policy.check_indptr(entry, "append_indptr", ip)
-        if int(ip[-1]) != nnz:
+        if int(ip[-1]) > nnz:
             policy.refuse(entry, f"nnz={nnz} but append_indptr[-1]={int(ip[-1])}; nnz is the number of "
-                                 f"appended tokens.")
+                                 f"appended tokens (or more: the rest is padding).")
         short = seq_lens.long() < ip[1:] - ip[:-1]
         if bool(short.any()):
             b = int(short.nonzero()[0])
@@ -242,10 +253,13 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
         return batch_indices, positions
     tokens = torch.arange(nnz, dtype=torch.int32, device=device)
     # The request owning token t is the number of request ends at or before t; searchsorted does not
-    # sync, unlike repeat_interleave. Clamping only matters past append_indptr[-1] (unchecked on GPU).
-    owner = torch.searchsorted(append_indptr[1:], tokens, right=True).clamp_(max=max(batch - 1, 0))
-    batch_indices.copy_(owner)
-    positions.copy_(seq_lens[owner] - append_indptr[1:][owner] + tokens)
+    # sync, unlike repeat_interleave. Tokens past append_indptr[-1] (padding) find no end: request -1, position 0.
+    owner = torch.searchsorted(append_indptr[1:], tokens, right=True)
+    padding = owner >= batch
+    owner.clamp_(max=max(batch - 1, 0))
+    batch_indices.copy_(owner.masked_fill(padding, -1))
+    positions.copy_((seq_lens[owner] - append_indptr[1:][owner] + tokens).masked_fill_(padding, 0)
+                    if batch else torch.zeros_like(tokens))
     return batch_indices, positions
 
 

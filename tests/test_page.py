@@ -310,6 +310,30 @@ def test_get_batch_indices_positions_by_hand(device):
     assert b.shape == (0,) and p.shape == (0,)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_tokens_are_request_minus_one_and_not_written(backend, device):
+    """nnz past append_indptr[-1] (a batch padded to a CUDA graph's size): the extra tokens get request -1 and
+    position 0, as FlashInfer's, and append_paged_kv_cache skips them: the cache is bitwise the unpadded
+    append's (the padded K/V rows hold other values). Once they went to the last request past its pages."""
+    g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(7, 4, [2, 9, 5], [3, 0, 2])
+    seq_lens = page.get_seq_lens(kv_indptr, last, 4)
+    nnz, padded = 5, 8
+    b, p = page.get_batch_indices_positions(append_indptr.to(device), seq_lens.to(device), padded)
+    want_b, want_p = page.get_batch_indices_positions(append_indptr.to(device), seq_lens.to(device), nnz)
+    assert b[:nnz].tolist() == want_b.tolist() and p[:nnz].tolist() == want_p.tolist()
+    assert b[nnz:].tolist() == [-1] * 3 and p[nnz:].tolist() == [0] * 3
+    key, value = (torch.randn(padded, 2, 64, generator=g).half().to(device) for _ in range(2))
+    cache = torch.randn(num_pages, 2, 4, 2, 64, generator=g).half().to(device)
+    want = cache.clone()
+    tables = [t.to(device) for t in (kv_indices, kv_indptr, last)]
+    page.append_paged_kv_cache(key[:nnz], value[:nnz], want_b, want_p, want, *tables, backend=backend)
+    page.append_paged_kv_cache(key, value, b, p, cache, *tables, backend=backend)
+    assert torch.equal(cache, want)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="batch_indices holds -2; requests are numbered 0..2, and -1 marks"):
+            page.append_paged_kv_cache(key, value, b - 1, p, cache, *tables, backend=backend)
+
+
 def test_get_seq_lens_by_hand(device):
     kv_indptr = torch.tensor([0, 2, 2, 5, 6], dtype=I32, device=device)
     last = torch.tensor([3, 0, 16, 1], dtype=I32, device=device)

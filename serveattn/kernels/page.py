@@ -2,7 +2,7 @@
 
 Grid: (token blocks, kv heads). Each program copies a `[BLOCK_T, BLOCK_D]` tile of K and of V for one
 head; the destination page and slot of each token come from batch_indices/positions through the CSR
-page table. The caller passes NHD-ordered views (page, slot, head, dim) of both caches, so HND caches,
+page table; a token of request -1 (padding) is skipped. The caller passes NHD-ordered views (page, slot, head, dim) of both caches, so HND caches,
 the two halves of a 5-D cache and caches that are slices of larger buffers all arrive as strides.
 Every tensor's last (D) stride is 1.
 
@@ -41,11 +41,10 @@ def _append_kernel(
 ):
     head = tl.program_id(1).to(tl.int64)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_ok = tokens < nnz
     dims = tl.arange(0, BLOCK_D)
+    batch = tl.load(batch_indices_ptr + tokens, mask=tokens < nnz, other=-1)
+    token_ok = batch >= 0  # request -1: padding (get_batch_indices_positions past the appended tokens), not written
     tile_ok = token_ok[:, None] & (dims < head_dim)[None, :]
-
-    batch = tl.load(batch_indices_ptr + tokens, mask=token_ok, other=0)
     pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
     page_entry = tl.load(kv_indptr_ptr + batch, mask=token_ok, other=0) + pos // page_size
     # int64 from here on: page * page stride exceeds 2**31 elements for large caches.
