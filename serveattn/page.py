@@ -276,6 +276,15 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
         policy.refuse(entry, f"kv_last_page_len has {kv_last_page_len.numel()} entries for a batch of {batch} "
                              f"(kv_indptr has {kv_indptr.numel()}).")
     policy.check_same_device(entry, kv_indptr.device, kv_last_page_len=kv_last_page_len)
+    if kv_indptr.is_cpu:  # a table on the host is checked (API.md); a device one would cost a sync
+        ip = kv_indptr.long()
+        policy.check_indptr(entry, "kv_indptr", ip)
+        last = kv_last_page_len.long()
+        bad = ((ip[1:] - ip[:-1]) > 0) & ((last < 1) | (last > page_size))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            policy.refuse(entry, f"kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+                                 f"for a request that owns pages.")
     pages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (pages - 1) * page_size + kv_last_page_len
     return torch.where(pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)

@@ -286,3 +286,13 @@ def test_tree_mask_device_is_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda' but CUDA is not available here"):
             serveattn.tree_parents_to_mask([[-1, 0]], [1], device="cuda")
+
+
+def test_get_seq_lens_checks_a_host_page_table():
+    ip, last = torch.tensor([0, 2, 3], dtype=I32), torch.tensor([0, 9], dtype=I32)
+    with pytest.raises(ValueError, match="kv_last_page_len\\[0\\]=0; it must lie in 1..page_size=4"):
+        serveattn.get_seq_lens(ip, last, 4)
+    with pytest.raises(ValueError, match="kv_indptr decreases somewhere"):
+        serveattn.get_seq_lens(torch.tensor([0, 3, 2], dtype=I32), torch.tensor([1, 1], dtype=I32), 4)
+    assert serveattn.get_seq_lens(torch.tensor([0, 2, 2], dtype=I32), torch.tensor([3, 0], dtype=I32), 4).tolist() \
+        == [7, 0]
