@@ -150,8 +150,9 @@ _LEVEL_ARRAYS = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
 def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan):
     """The refusals that a level's commit would raise under use_cuda_graph=True, made up front: a level's
     commit overwrites its captured buffers, so every level must be known to pass before the first commits.
-    Returns the buffers the commit writes (allocated here at a level's first plan), None for the torch backend."""
-    return level.check_graph_plan(entry, plan) if plan.backend == "triton" else None
+    Returns the buffers the commit writes (allocated here at a level's first plan; the torch backend's: the
+    capacities its re-plans keep)."""
+    return level.check_graph_plan(entry, plan)
 
 
 class MultiLevelCascadeAttentionWrapper:
@@ -174,6 +175,7 @@ class MultiLevelCascadeAttentionWrapper:
         policy.check_backend(entry, backend)
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(entry, backend, use_cuda_graph, float_workspace_buffer.device)
         buf_arrs = dict(qo_indptr_buf_arr=qo_indptr_buf_arr, paged_kv_indptr_buf_arr=paged_kv_indptr_buf_arr,
                         paged_kv_indices_buf_arr=paged_kv_indices_buf_arr,
                         paged_kv_last_page_len_buf_arr=paged_kv_last_page_len_buf_arr)
@@ -300,6 +302,10 @@ class MultiLevelCascadeAttentionWrapper:
                     policy.refuse(entry, f"paged_kv_indices_arr[{i}] refers to page {level._plan.max_page}, "
                                          f"beyond the cache's {k.shape[0]} pages.")
         last = self._levels[-1]
+        if self._num_levels > 1 and isinstance(out, torch.Tensor) and isinstance(q, torch.Tensor) and \
+                policy.overlaps(out, q):
+            policy.refuse(entry, "out overlaps q; with several levels the first level's output is written before "
+                                 "the other levels read q, so out must be other memory.")
         if self._num_levels == 1:
             return last.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                             return_lse=return_lse)

@@ -201,6 +201,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(self._entry, backend, use_cuda_graph, float_workspace_buffer.device)
         if use_cuda_graph and not all(isinstance(b, torch.Tensor) for b in (
                 paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)):
             policy.refuse(self._entry, "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer "
@@ -223,6 +224,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[staging.Captured] = None
+        self._graph_q_rows: Optional[int] = None  # the bandwidth route's first run() under CUDA graphs: q's rows
         self._graph_signature = None
         self._graph_route: Optional["routing.Decision"] = None  # under use_cuda_graph: the first plan's route
         self._decision: Optional["routing.Decision"] = None
@@ -414,6 +416,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
                                  "table; heads, head dim, dtypes, page size, window, soft cap and sm_scale must stay "
                                  "as first planned.")
+        if self._graph_q_rows is not None and plan.batch * plan.q_len > self._graph_q_rows:
+            policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.batch * plan.q_len} query rows "
+                                 f"but the first run() (the captured one) had q of {self._graph_q_rows}; capture "
+                                 f"with q of the largest batch.")
         for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
             size = staging.size(getattr(plan, name))
             if size > bufs.caps[name]:
@@ -493,6 +499,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if lse is None and return_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)
+        if self._use_cuda_graph and self._graph_q_rows is None:  # a graph captures this q: later plans fit it
+            self._graph_q_rows = q.shape[0]
         if grid0:
             decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale,
                                  self._done_count, kv_strides)

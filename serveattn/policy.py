@@ -221,6 +221,14 @@ def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional
     return fixed_split_size, True
 
 
+def check_graph_backend(entry: str, backend: str, use_cuda_graph: bool, device) -> None:
+    """backend='torch' cannot be captured in a CUDA graph (its request loop runs on the host): refused on CUDA at
+    construction. On the CPU (nothing to capture) its plans keep the re-plan rules of the other routes."""
+    if use_cuda_graph and backend == "torch" and torch.device(device).type == "cuda":
+        from .routing import torch_graph
+        unsupported(entry, torch_graph())
+
+
 def check_backend(entry: str, backend: str) -> None:
     if backend not in BACKENDS:
         refuse(entry, f"backend={backend!r} is not a backend; supported: {', '.join(map(repr, BACKENDS))}.")
@@ -429,6 +437,19 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
     if dk.numel() != dv.numel():  # the kernels read scale_k and scale_v with one stride: both per head, then
         dk, dv = (d.expand(num_kv_heads).contiguous() if d.numel() == 1 else d for d in (dk, dv))
     return dq, dk, dv
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory extents intersect (one storage, overlapping byte ranges)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or \
+            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_same_device(entry: str, device: torch.device, **tensors) -> None:

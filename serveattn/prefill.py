@@ -638,6 +638,37 @@ def _workspace_bytes(workspace: torch.Tensor) -> int:
     return workspace.numel() * workspace.element_size() if workspace.is_contiguous() else 0
 
 
+def _check_signature(entry: str, plan: Plan, signature, first) -> None:
+    if (plan.static_signature() if signature is None else signature) != first:
+        policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
+                             "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
+                             "soft cap, sm_scale and positional encoding must stay as first planned.")
+
+
+def _check_capacities(entry: str, plan: Plan, caps: dict) -> None:
+    for name in _ARRAYS:
+        t = getattr(plan, name)
+        if t is not None:
+            _check_capacity(entry, name, staging.size(t), caps[name])
+
+
+def _check_capacity(entry: str, name: str, size: int, cap: int) -> None:
+    if size > cap:
+        policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its {name} buffer, "
+                             f"which holds {cap}; give larger buffers (or workspace) at construction.")
+
+
+def _torch_sizes(plan: Plan) -> dict:
+    """The entries each index array of a torch-route plan would take in the captured routes' buffers."""
+    sizes = {"qo_indptr": plan.batch + 1, "kv_indptr": plan.batch + 1}
+    if plan.paged:
+        sizes.update(kv_indices=plan.kv_indices_host.numel(), last_page_len=plan.batch)
+    if plan.has_mask:
+        qo_lens = plan.qo_indptr_host[1:] - plan.qo_indptr_host[:-1]
+        sizes.update(mask=int(((qo_lens * plan.kv_lens_host + 7) // 8).sum()), mask_indptr=plan.batch + 1)
+    return sizes
+
+
 def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bool) -> None:
     if not isinstance(float_workspace_buffer, torch.Tensor):
         policy.refuse(entry, f"float_workspace_buffer is a {type(float_workspace_buffer).__name__}; it must be a "
@@ -659,6 +690,7 @@ class _PrefillWrapper:
         policy.extra_kwargs(self._entry, extra_kwargs or {})
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(self._entry, backend, use_cuda_graph, float_workspace_buffer.device)
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph
@@ -667,6 +699,7 @@ class _PrefillWrapper:
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._graph_bufs: Optional[staging.Captured] = None  # under use_cuda_graph: what the captured graph reads
         self._graph_signature = None
+        self._torch_caps: Optional[dict] = None  # backend='torch' under use_cuda_graph (CPU): _checked_torch
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
         # under use_cuda_graph=True: split-KV items in every plan, the work list in the workspace's first quarter and
@@ -720,6 +753,10 @@ class _PrefillWrapper:
                 for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
                                                   self._kept).items():
                     setattr(plan, name, t)
+        elif self._use_cuda_graph:
+            self._torch_caps = graph_bufs if graph_bufs is not None else self._checked_torch(self._entry + ".plan",
+                                                                                             plan)
+            self._graph_signature = plan.static_signature()
         if plan.merge_rows is not None:
             key = (plan.num_qo_heads, plan.head_dim)
             if self._split_views is None or self._split_views[0] != key:  # made once: a few us of torch calls
@@ -751,12 +788,11 @@ class _PrefillWrapper:
         """Every refusal installing `plan` under use_cuda_graph=True could raise, raised before any write;
         returns the fixed buffers the plan would be written into (the cascade wrapper checks all its levels
         with this before the first level commits). signature: plan.static_signature(), where the caller has it."""
+        if plan.backend == "torch":
+            return self._checked_torch(entry, plan, signature)
         if self._graph_bufs is None:
             return self._checked_sizes(entry, plan, staging.Captured(self._allocate_graph_buffers(entry, plan)))
-        if (plan.static_signature() if signature is None else signature) != self._graph_signature:
-            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
-                                 "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
-                                 "soft cap, sm_scale and positional encoding must stay as first planned.")
+        _check_signature(entry, plan, signature, self._graph_signature)
         if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
             policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
                                  f"the captured q holds {self._graph_q_rows}.")
@@ -764,13 +800,24 @@ class _PrefillWrapper:
 
     @staticmethod
     def _checked_sizes(entry: str, plan: Plan, bufs: staging.Captured) -> staging.Captured:
-        for name in _ARRAYS:
-            t = getattr(plan, name)
-            if t is not None and staging.size(t) > bufs.caps[name]:
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {staging.size(t)} entries in its "
-                                     f"{name} buffer, which holds {bufs.caps[name]}; give larger buffers "
-                                     f"(or workspace) at construction.")
+        _check_capacities(entry, plan, bufs.caps)
         return bufs
+
+    def _checked_torch(self, entry: str, plan: Plan, signature=None) -> dict:
+        """backend='torch' under use_cuda_graph=True (the CPU: on CUDA it is refused at construction): nothing is
+        captured, but a re-plan keeps the other routes' rules (the first plan's signature; each index array
+        within the buffer given at construction, else the first plan's size), so what passes here passes on the
+        GPU. Returns the capacities."""
+        if self._graph_signature is not None:
+            _check_signature(entry, plan, signature, self._graph_signature)
+        sizes = _torch_sizes(plan)
+        caps = self._torch_caps
+        if caps is None:
+            caps = {n: self._caller_bufs[n].numel() if self._caller_bufs.get(n) is not None else size
+                    for n, size in sizes.items()}
+        for name, size in sizes.items():
+            _check_capacity(entry, name, size, caps.get(name, size))
+        return caps
 
     def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
         """The fixed buffers: the caller's where given, the work list in the workspace, else sized by this plan."""
@@ -896,28 +943,30 @@ class _PrefillWrapper:
     def _lse_as(self, entry, lse_base, lse_layout, return_lse, lse, call):
         """FlashInfer's lse_base / lse_layout: the base-2 [rows, heads] LSE the kernels write, returned as natural
         log ("ln") and / or [heads, rows] ("HN", a contiguous copy, into the caller's lse of that layout where
-        given). call(lse) runs the call with our own layout's buffer."""
+        given). call(lse, return_lse) runs the call with our own layout's buffer. A caller's lse is written in the
+        asked base and layout with or without return_lse (as a base-2 NH lse is)."""
         if lse_base not in ("log2", "ln"):
             policy.refuse(entry, f"lse_base={lse_base!r} must be 'log2' (the default) or 'ln'.")
         if lse_layout not in ("NH", "HN"):
             policy.refuse(entry, f"lse_layout={lse_layout!r} must be 'NH' (the default) or 'HN'.")
         plan = self._plan
-        if not return_lse or plan is None:
-            return call(lse if lse_layout == "NH" else None)
+        if plan is None or (not return_lse and lse is None):
+            return call(None, return_lse)
         if lse_layout == "NH":
-            out, nh = call(lse)
-            return out, nh.mul_(LN2)
+            out, nh = call(lse, True)
+            nh.mul_(LN2)
+            return (out, nh) if return_lse else out
         if lse is not None:
             policy.check_tensor(entry, "lse", lse, (plan.num_qo_heads, plan.total_q), torch.float32, plan.device)
             if not lse.is_contiguous():
                 policy.refuse(entry, "lse for lse_layout='HN' must be contiguous.")
-        out, nh = call(None)
+        out, nh = call(None, True)
         hn = lse if lse is not None else torch.empty(nh.t().shape, dtype=torch.float32, device=nh.device)
         if lse_base == "ln":
             torch.mul(nh.t(), LN2, out=hn)
         else:
             hn.copy_(nh.t())
-        return out, hn
+        return (out, hn) if return_lse else out
 
     # FlashInfer's deprecated forward() / forward_return_lse() are defined per wrapper: their arguments differ
 
@@ -984,9 +1033,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
                                           scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
-            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh, ret: self.run(
                 q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k,
-                scale_v=scale_v, out=out, lse=nh, return_lse=return_lse, window_left=window_left,
+                scale_v=scale_v, out=out, lse=nh, return_lse=ret, window_left=window_left,
                 **unsupported_kwargs))
         if unsupported_kwargs or window_left is not None:
             _run_extras(entry, self._plan, window_left, unsupported_kwargs)
@@ -1073,9 +1122,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
                                           scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
-            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh, ret: self.run(
                 q, k, v, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
-                out=out, lse=nh, return_lse=return_lse, **unsupported_kwargs))
+                out=out, lse=nh, return_lse=ret, **unsupported_kwargs))
         if unsupported_kwargs:
             _run_extras(entry, self._plan, None, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)

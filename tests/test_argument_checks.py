@@ -296,3 +296,100 @@ def test_get_seq_lens_checks_a_host_page_table():
         serveattn.get_seq_lens(torch.tensor([0, 3, 2], dtype=I32), torch.tensor([1, 1], dtype=I32), 4)
     assert serveattn.get_seq_lens(torch.tensor([0, 2, 2], dtype=I32), torch.tensor([3, 0], dtype=I32), 4).tolist() \
         == [7, 0]
+
+
+def _graph_decode(device, backend, cap=2, pages=4, **ctor):
+    bufs = [torch.zeros(n, dtype=I32, device=device) for n in (cap + 1, pages, cap)]
+    return serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), use_cuda_graph=True, backend=backend,
+                                                        paged_kv_indptr_buffer=bufs[0],
+                                                        paged_kv_indices_buffer=bufs[1],
+                                                        paged_kv_last_page_len_buffer=bufs[2], **ctor)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graph_replans_keep_the_rules_on_every_route(backend, device):
+    """backend='torch' under use_cuda_graph=True (on the CPU: it is refused on CUDA) keeps the re-plan rules of the
+    captured routes: a plan over the buffers, or with other heads or window, is refused and the previous plan
+    still runs; within them it equals a fresh wrapper. (Its plans were once never checked.)"""
+    if backend == "torch" and device == "cuda":
+        pytest.skip("refused on CUDA: test_torch_route_is_refused_under_cuda_graphs_on_cuda")
+    cache = torch.randn(8, 2, 4, 2, 64, generator=torch.Generator().manual_seed(2)).half().to(device)
+    w = _graph_decode(device, backend)
+    t = lambda *a: torch.tensor(a, dtype=I32, device=device)  # noqa: E731
+    w.plan(t(0, 1, 2), t(3, 5), t(4, 2), 4, 2, 64, 4, q_data_type=F16)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(3)).half().to(device)
+    before = w.run(q, cache)
+    for args, kw, match in (
+            ((t(0, 3, 6), t(*range(6)), t(4, 4)), {}, "needs 6 entries in its kv_indices buffer, which holds 4"),
+            ((t(0, 1, 2, 3), t(0, 1, 2), t(4, 4, 4)), {},
+             "needs 4 entries in its (qo|kv)_indptr buffer|has 3 query rows but"),
+            ((t(0, 1, 2), t(3, 5), t(4, 2)), dict(window_left=3), "a re-plan may change only the batch's lengths")):
+        with pytest.raises(ValueError, match=match):
+            w.plan(*args, 4, 2, 64, 4, q_data_type=F16, **kw)
+        assert torch.equal(w.run(q, cache), before)
+    w.plan(t(0, 2, 2), t(6, 1), t(3, 1), 4, 2, 64, 4, q_data_type=F16)  # within the buffers: lengths change
+    fresh = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend=backend)
+    fresh.plan(t(0, 2, 2), t(6, 1), t(3, 1), 4, 2, 64, 4, q_data_type=F16)
+    assert torch.equal(w.run(q, cache), fresh.run(q, cache))
+
+
+def test_torch_route_is_refused_under_cuda_graphs_on_cuda():
+    with pytest.raises(NotImplementedError, match="torch: under use_cuda_graph=True on CUDA the torch route is not"):
+        serveattn.policy.check_graph_backend("x", "torch", True, "cuda")
+    serveattn.policy.check_graph_backend("x", "torch", True, "cpu")
+    serveattn.policy.check_graph_backend("x", "triton", True, "cuda")
+
+
+def test_bandwidth_graph_replan_fits_the_captured_q(device):
+    """The bandwidth route under CUDA graphs: a re-plan past the rows of the q its first run() (the captured one)
+    had is refused, as the prefill wrappers do (replayed, the kernel would read q and write out past them)."""
+    cache = torch.randn(8, 2, 4, 2, 64, generator=torch.Generator().manual_seed(2)).half().to(device)
+    w = _graph_decode(device, "triton", cap=3)
+    t = lambda *a: torch.tensor(a, dtype=I32, device=device)  # noqa: E731
+    w.plan(t(0, 1, 2), t(3, 5), t(4, 2), 4, 2, 64, 4, q_data_type=F16)
+    w.run(torch.randn(2, 4, 64, dtype=F16, device=device), cache)
+    with pytest.raises(ValueError, match="the re-plan has 3 query rows but the first run\\(\\) .* had q of 2"):
+        w.plan(t(0, 1, 2, 3), t(3, 5, 6), t(4, 2, 1), 4, 2, 64, 4, q_data_type=F16)
+    w.plan(t(0, 1), t(3), t(4), 4, 2, 64, 4, q_data_type=F16)  # fewer rows: served
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cascade_refuses_out_over_q(backend, device):
+    """With several levels the last level's output is written before the others read q: out=q gave wrong
+    values; refused now (one level is a single launch, and takes it)."""
+    b = _batch(device)
+    w = serveattn.MultiLevelCascadeAttentionWrapper(2, _ws(device), backend=backend)
+    shared = torch.tensor([0, 1], dtype=I32, device=device)
+    w.plan([torch.tensor([0, 8], dtype=I32, device=device), b.qo_indptr], [shared, b.kv_indptr],
+           [b.kv_indices[:1], b.kv_indices], [torch.tensor([5], dtype=I32, device=device), b.last_page_len],
+           4, 2, 64, 16, causal=True, q_data_type=F16)
+    q = b.q.clone()
+    with pytest.raises(ValueError, match="out overlaps q"):
+        w.run(q, b.cache, out=q)
+    with pytest.raises(ValueError, match="out overlaps q"):
+        w.run(q, b.cache, out=q[2:])
+    assert torch.equal(w.run(q, b.cache, out=torch.empty_like(q)), w.run(q, b.cache))
+
+
+@pytest.mark.parametrize("layout", ["NH", "HN"])
+def test_a_callers_lse_is_written_in_the_asked_base_and_layout(layout, device):
+    """lse_base='ln' / lse_layout='HN' with the caller's lse and return_lse=False: written as asked (was: base 2
+    into an NH buffer, nothing into an HN one)."""
+    b = _batch(device)
+    w = _paged(device, b)
+    _, want = w.run(b.q, b.cache, return_lse=True, lse_base="ln", lse_layout=layout)
+    buf = torch.full(want.shape, float("nan"), device=device)
+    out = w.run(b.q, b.cache, lse=buf, lse_base="ln", lse_layout=layout)
+    assert isinstance(out, torch.Tensor) and torch.equal(buf, want)
+
+
+def test_sampling_refuses_flashinfer_0_1s_uniform_samples():
+    gen = torch.Generator().manual_seed(1)
+    draft = torch.softmax(torch.randn(2, 3, 5, generator=gen), -1)
+    target = torch.softmax(torch.randn(2, 4, 5, generator=gen), -1)
+    ids = torch.randint(0, 5, (2, 3), generator=gen, dtype=I32)
+    uniforms = torch.rand(2, 4, generator=gen)
+    for call in (lambda: serveattn.chain_speculative_sampling(draft, ids, uniforms, target),
+                 lambda: serveattn.chain_speculative_sampling(draft, ids, target, uniform_samples=uniforms)):
+        with pytest.raises(NotImplementedError, match="uniform_samples \\(FlashInfer 0.1's argument"):
+            call()
