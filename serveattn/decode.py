@@ -24,7 +24,7 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, check_workspace_reset
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors
 from .prefill import single_prefill_with_kv_cache, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -188,7 +188,7 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     """Decode over a paged KV cache (FlashInfer's wrapper of the same name)."""
     _entry = "BatchDecodeWithPagedKVCacheWrapper"
 
@@ -241,16 +241,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
-        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
-        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
-        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
-                              self._use_cuda_graph)
-        self._workspace = float_workspace_buffer
+    def _drop_plans(self) -> None:
+        """reset_workspace_buffer: the plans, partial-state views and counts made in the old workspace go."""
         self._plan = self._prefill = self._partials_memo = self._done_count = None
         self._variants = _Variants()
 

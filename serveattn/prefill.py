@@ -678,7 +678,24 @@ def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bo
                                   "build a new wrapper (and capture again) instead.")
 
 
-class _PrefillWrapper:
+class WorkspaceAccessors:
+    """FlashInfer's is_cuda_graph_enabled and reset_workspace_buffer, for a wrapper with _entry, _workspace,
+    _use_cuda_graph and _drop_plans()."""
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
+        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
+        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
+                              self._use_cuda_graph)
+        self._workspace = float_workspace_buffer
+        self._drop_plans()
+
+
+class _PrefillWrapper(WorkspaceAccessors):
     _entry = "BatchPrefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
@@ -717,17 +734,10 @@ class _PrefillWrapper:
     def device(self) -> torch.device:
         return self._workspace.device
 
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
-        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
-        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
-        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
-                              self._use_cuda_graph)
-        self._workspace = float_workspace_buffer
-        self._workspace_bytes = _workspace_bytes(float_workspace_buffer)
+    def _drop_plans(self) -> None:
+        """reset_workspace_buffer: the plan (and its forward() variants) and split-KV's views of the old workspace
+        go."""
+        self._workspace_bytes = _workspace_bytes(self._workspace)
         self._plan = self._split_views = None
         self._variants = _Variants()
 
