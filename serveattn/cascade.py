@@ -68,8 +68,9 @@ def _merge_torch(v: torch.Tensor, s: torch.Tensor):
     empty = s_max == NEG_INF
     shift = s_max.masked_fill(empty, 0.0)  # all-empty rows: exp2(-inf - 0) = 0, not NaN
     weight = torch.exp2(s - shift[:, None])
-    # An empty state (s = -inf) is never multiplied in: its v may hold anything.
-    weighted = torch.where((s != NEG_INF)[..., None], v.float() * weight[..., None], 0.0).sum(dim=1)
+    # An empty state (weight 0) is never multiplied in: its v may hold anything (a NaN weight reaches the row
+    # through the total).
+    weighted = torch.where(weight[..., None] > 0, v.float() * weight[..., None], 0.0).sum(dim=1)
     total = weight.sum(dim=1)
     safe_total = torch.where(empty, 1.0, total)  # all states empty: weighted is 0, so v = 0 and s = -inf
     return weighted / safe_total[..., None], torch.where(empty, NEG_INF, shift + torch.log2(safe_total))

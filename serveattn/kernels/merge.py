@@ -4,8 +4,8 @@ Grid: (rows, head blocks). Each program loads a `[BLOCK_H, BLOCK_D]` tile of eve
 reduces in fp32:  m = max_i s_i,  w_i = exp2(s_i - m),  v = sum_i w_i v_i / sum_i w_i,  s = m + log2(sum_i w_i).
 A state with s = -inf has weight 0 and its v is never multiplied in (so garbage there cannot leak as
 0 * inf = NaN); a row whose states are all -inf comes out v = 0, s = -inf. A NaN or +inf s is no empty state:
-the row comes out NaN (the max propagates NaN, exp2(inf - inf) is NaN), never a valid state's values dropped
-as if every state were empty. The states of a row are
+the row comes out NaN (the max propagates NaN, exp2(inf - inf) is NaN, and the total carries it), never a valid
+state's values dropped as if every state were empty. The states of a row are
 visited in index order, so results are bitwise reproducible. Strides are passed for every dimension:
 Triton specialises a unit D stride, which keeps the usual contiguous case vectorised.
 """
@@ -17,9 +17,10 @@ from .sizes import cdiv, next_pow2
 
 
 @triton.jit
-def _weighted(v, w, s):
-    """w * v, and exactly 0 for an empty state (s = -inf: its v may hold anything)."""
-    return tl.where((s != float("-inf"))[:, None], v * w[:, None], 0.0)
+def _weighted(v, w):
+    """w * v, and exactly 0 where w is 0 (an empty state's v may hold anything; a NaN w reaches the row through
+    the total)."""
+    return tl.where(w[:, None] > 0, v * w[:, None], 0.0)
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _merge_two_kernel(
     total = w_a + w_b
     # both states empty: their weighted sum is 0, so v = 0 and s = -inf
     safe_total = tl.where(empty, 1.0, total)
-    v = (_weighted(v_a, w_a, s_a) + _weighted(v_b, w_b, s_b)) / safe_total[:, None]
+    v = (_weighted(v_a, w_a) + _weighted(v_b, w_b)) / safe_total[:, None]
     s = tl.where(empty, float("-inf"), shift + tl.log2(safe_total))
 
     tl.store(vo_ptr + row * s_vo_r + h64[:, None] * s_vo_h + d64[None, :] * s_vo_d,
@@ -98,7 +99,7 @@ def _merge_many_kernel(
         s_i = tl.load(s_row + i * s_s_n, mask=head_ok, other=float("-inf"))
         w = tl.exp2(s_i - shift)
         v = tl.load(v_row + i * s_v_n, mask=tile_ok, other=0.0).to(tl.float32)
-        acc += _weighted(v, w, s_i)
+        acc += _weighted(v, w)
         total += w
     safe_total = tl.where(empty, 1.0, total)  # all states empty: acc is 0, so v = 0 and s = -inf
     tl.store(vo_ptr + row * s_vo_r + h64[:, None] * s_vo_h + d64[None, :] * s_vo_d,
