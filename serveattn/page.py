@@ -128,10 +128,15 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
                             positions, k_cache, v_cache, kv_indices, kv_indptr,
                             k_scale=k_scale if quantize else None, v_scale=v_scale if quantize else None)
     else:
-        live = batch_indices >= 0  # request -1: padding, not written
-        append_key, append_value = append_key[live], append_value[live]
-        pos = positions[live].long()
-        page = kv_indices.long()[kv_indptr.long()[batch_indices[live].long()] + pos // page_size]
+        batch_of = batch_indices
+        if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
+            # request -1: padding, not written (a boolean index syncs a GPU stream, so not under capture, where
+            # the torch route cannot skip padding: backend='triton' does)
+            live = batch_indices >= 0
+            append_key, append_value, positions, batch_of = (append_key[live], append_value[live], positions[live],
+                                                             batch_indices[live])
+        pos = positions.long()
+        page = kv_indices.long()[kv_indptr.long()[batch_of.long()] + pos // page_size]
         slot = pos % page_size
         if quantize:
             append_key = _quantize_torch(append_key, k_scale, k_cache.dtype)
@@ -217,7 +222,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     Request b appends tokens append_indptr[b]..append_indptr[b+1]-1 as the last ones of its sequence of
     seq_lens[b] tokens (the length *after* the append), so token t sits at seq_lens[b] - append_indptr[b+1] + t.
     Tokens from append_indptr[-1] on (nnz padded, e.g. to a CUDA graph's size) get request -1 and position 0, as
-    FlashInfer's: append_paged_kv_cache skips them. Both results are int32 `[nnz]`, written into `batch_indices` /
+    FlashInfer 0.7's does, and append_paged_kv_cache skips them (FlashInfer's append does not: ours is the safe
+    side of its undefined case). Both results are int32 `[nnz]`, written into `batch_indices` /
     `positions` when given.
     """
     entry = "get_batch_indices_positions"
