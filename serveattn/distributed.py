@@ -331,10 +331,12 @@ class ContextParallelDecode:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
              q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
-        """The decode wrapper's plan on this rank's shard; collective (every rank calls it together)."""
+        """The decode wrapper's plan on this rank's shard; collective (every rank calls it together). As the
+        decode wrapper's, it binds arguments by position through kv_data_type (FlashInfer's releases order the
+        rest differently)."""
         entry = ENTRY + ".plan"
         if data_type is not None and kv_data_type is None:
             kv_data_type = data_type
@@ -343,7 +345,7 @@ class ContextParallelDecode:
             local = self._check_local(entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                                       page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                                       kv_data_type, o_data_type, sm_scale, q_len_per_req, tree_parents,
-                                      unsupported_kwargs)
+                                      unsupported_kwargs, len(positional_rest))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
             error = exc
         self._agree_header(entry, local, error)
@@ -367,9 +369,13 @@ class ContextParallelDecode:
 
     def _check_local(self, entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                      pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
-                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs) -> dict:
+                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs, positional_rest: int = 0) -> dict:
+        if positional_rest:  # raised on every rank alike, agreed like any other local refusal
+            policy.refuse(entry, f"plan() got {5 + positional_rest} arguments after page_size by position; pass "
+                                 f"those after kv_data_type by keyword (their order differs between FlashInfer "
+                                 f"releases).")
         if unsupported_kwargs:
-            policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
+            policy.extra_kwargs(entry, unsupported_kwargs)
         if tree_parents is not None:
             policy.unsupported(entry, "tree_parents (tree verify) is not served across ranks; chain verify "
                                       "(q_len_per_req=k) is.")
