@@ -301,12 +301,14 @@ def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> tor
         if mask is not None and not isinstance(mask, torch.Tensor):
             policy.refuse(entry, f"{name} is a {type(mask).__name__}; it must be a torch.Tensor.")
     if custom_mask is not None:
-        if custom_mask.dim() > 1 and (qo_lens.numel() != 1 or
-                                      tuple(custom_mask.shape) != (int(qo_lens[0]), int(kv_lens[0]))):
-            want = f"[{int(qo_lens[0])}, {int(kv_lens[0])}]" if qo_lens.numel() == 1 else "none for a batch"
+        # 2-D: [rows, keys] with each request's [qo_len, kv_len] block stacked, so every kv_len must be `keys` (one
+        # request: [qo_len, kv_len]; a transposed one has the same numel and would be read as another mask)
+        if custom_mask.dim() > 1 and (custom_mask.dim() != 2 or custom_mask.shape[0] != int(qo_lens.sum()) or
+                                      bool((kv_lens != custom_mask.shape[1]).any())):
+            want = f"[{int(qo_lens[0])}, {int(kv_lens[0])}]" if qo_lens.numel() == 1 else \
+                "[sum(qo_len), kv_len] when every request has that kv_len"
             policy.refuse(entry, f"custom_mask has shape {tuple(custom_mask.shape)}; a mask is 1-D (each request's "
-                                 f"[qo_len, kv_len] block flattened row-major, concatenated) or, for one request, "
-                                 f"[qo_len, kv_len] ({want}).")
+                                 f"[qo_len, kv_len] block flattened row-major, concatenated) or 2-D {want}.")
         if custom_mask.dtype != torch.bool:
             policy.refuse(entry, f"custom_mask has dtype {custom_mask.dtype}; it must be bool.")
         if custom_mask.numel() != bits:

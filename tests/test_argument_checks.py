@@ -130,7 +130,7 @@ def test_custom_mask_shape_and_type(device):
     flat = serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.reshape(-1).to(device),
                                                   backend="triton")
     assert torch.equal(two_d, flat)
-    with pytest.raises(ValueError, match="custom_mask has shape \\(7, 5\\); a mask is 1-D .*\\(\\[5, 7\\]\\)"):
+    with pytest.raises(ValueError, match="custom_mask has shape \\(7, 5\\); a mask is 1-D .* 2-D \\[5, 7\\]"):
         serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.t().contiguous().to(device))
     with pytest.raises(ValueError, match="custom_mask is a list; it must be a torch.Tensor"):
         serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.tolist())
@@ -393,3 +393,25 @@ def test_sampling_refuses_flashinfer_0_1s_uniform_samples():
                  lambda: serveattn.chain_speculative_sampling(draft, ids, target, uniform_samples=uniforms)):
         with pytest.raises(NotImplementedError, match="uniform_samples \\(FlashInfer 0.1's argument"):
             call()
+
+
+def test_a_stacked_2d_mask_serves_a_batch_of_one_kv_len(device):
+    """FlashInfer flattens any mask: [sum(qo_len), kv_len] is the concatenated row-major blocks when every request
+    has that kv_len, so it is served (bitwise the 1-D mask); with other kv_lens a 2-D mask is refused."""
+    gen = torch.Generator().manual_seed(8)
+    kv = 9  # requests of 3 and 4 query rows, both over 9 keys
+    q = torch.randn(7, 4, 64, generator=gen).to(F16).to(device)
+    k, v = (torch.randn(2 * kv, 2, 64, generator=gen).to(F16).to(device) for _ in range(2))
+    mask = torch.rand(7, kv, generator=gen) > 0.4
+    mask[:, 0] = True
+    outs = []
+    for m in (mask, mask.reshape(-1)):
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
+        w.plan(torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, kv, 2 * kv], dtype=I32), 4, 2, 64,
+               custom_mask=m.to(device), q_data_type=F16)
+        outs.append(w.run(q, k, v))
+    assert torch.equal(outs[0], outs[1])
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
+    with pytest.raises(ValueError, match="custom_mask has shape \\(7, 9\\); .* 2-D \\[sum\\(qo_len\\), kv_len\\]"):
+        w.plan(torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, kv, 2 * kv - 1], dtype=I32), 4, 2, 64,
+               custom_mask=torch.ones(7, 9, dtype=torch.bool, device=device), q_data_type=F16)
