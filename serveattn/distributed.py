@@ -507,15 +507,22 @@ class ContextParallelDecode:
 
     # ------------------------------------------------------------ run
 
-    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
-            **unsupported_kwargs):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None, window_left=None, **unsupported_kwargs):
         """q `[batch * q_len_per_req, Hq, D]` (the whole batch, the same on every rank), this rank's paged cache
         -> out `[batch * q_len_per_req, Hq, D]` (and the base-2 lse `[.., Hq]`), merged over all ranks;
-        collective. k_scale / v_scale (fp8 cache) go to every sub-run unchanged."""
+        collective. k_scale / v_scale (fp8 cache) go to every sub-run unchanged; q_scale, enable_pdl, window_left
+        (only -1, the plan's) and FlashInfer's later keywords at their no-op values as the decode wrapper's run()."""
         entry = ENTRY + ".run"
-        if args or unsupported_kwargs:
-            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, out, lse, "
-                                      "return_lse.")
+        if args:
+            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords q_scale, k_scale, v_scale, "
+                                      "out, lse, return_lse.")
+        if unsupported_kwargs:
+            policy.extra_kwargs(entry, unsupported_kwargs, "run() argument(s)")
+        if window_left is not None and window_left != -1:
+            policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's -1 (no window "
+                                 f"is served across ranks).")
+        k_scale = policy.fold_q_scale(entry, q_scale, k_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")

@@ -266,8 +266,15 @@ def test_constructor_and_run_refusals(solo_group, monkeypatch):
         cp.run(b.q, b.cache, out=torch.empty(b.q.shape, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"lse has shape \(6, 3\)"):
         cp.run(b.q, b.cache, lse=torch.empty(6, 3), return_lse=True)
-    with pytest.raises(NotImplementedError, match="run\\(\\) takes q, paged_kv_cache and the keywords"):
+    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) scale_q are not served"):
         cp.run(b.q, b.cache, scale_q=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="run\\(\\) takes q, paged_kv_cache and the keywords"):
+        cp.run(b.q, b.cache, torch.ones(1))
+    with pytest.raises(ValueError, match="window_left=4 given to run\\(\\) differs from the plan's -1"):
+        cp.run(b.q, b.cache, window_left=4)
+    # FlashInfer's decode run() keywords: q_scale (as k_scale), enable_pdl, window_left=-1, sinks=None
+    assert torch.equal(cp.run(b.q, b.cache, q_scale=2.0, enable_pdl=True, window_left=-1, sinks=None),
+                       cp.run(b.q, b.cache, k_scale=2.0))
     with pytest.raises(ValueError, match="ContextParallelDecode.run: k cache has dtype torch.float16"):
         cp.run(b.q, b.cache.half())
     with pytest.raises(ValueError, match="k has dtype torch.float8_e4m3fn but v has dtype torch.bfloat16"):
