@@ -293,7 +293,8 @@ class MultiLevelCascadeAttentionWrapper:
             **unsupported_kwargs):
         """q `[total_q, num_qo_heads, head_dim]` -> out (and the base-2 lse with return_lse=True)."""
         entry = self._entry + ".run"
-        policy.extra_kwargs(entry, unsupported_kwargs, "run() argument(s)")
+        if unsupported_kwargs:
+            policy.extra_kwargs(entry, unsupported_kwargs, "run() argument(s)")
         if not self._planned:
             policy.refuse(entry, "run() was called before plan().")
         k, _ = split_paged_cache(entry, paged_kv_cache, self._kv_layout)

@@ -410,8 +410,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                  "as first planned.")
         if self._graph_q_rows is not None and plan.batch * plan.q_len > self._graph_q_rows:
             policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.batch * plan.q_len} query rows "
-                                 f"but the first run() (the captured one) had q of {self._graph_q_rows}; capture "
-                                 f"with q of the largest batch.")
+                                 f"but the first run() had q of {self._graph_q_rows} (the q a captured graph "
+                                 f"reads: capture with q of the largest batch).")
         for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
             size = staging.size(getattr(plan, name))
             if size > bufs.caps[name]:

@@ -200,8 +200,9 @@ def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=
         refuse(entry, f"sm_scale={sm_scale!r} must be a positive finite float within float32's normal range.")
     if not is_int(window_left) or window_left < -1:
         refuse(entry, f"window_left={window_left!r} must be an int >= -1 (-1 disables the window).")
-    if logits_soft_cap is not None and not (positive_f32(logits_soft_cap) or
-                                            (type(logits_soft_cap) in (int, float) and logits_soft_cap == 0)):
+    if logits_soft_cap is not None and not (positive_f32(logits_soft_cap) or (
+            isinstance(logits_soft_cap, (int, float)) and not isinstance(logits_soft_cap, bool) and
+            logits_soft_cap == 0)):
         refuse(entry, f"logits_soft_cap={logits_soft_cap!r} must be a finite float >= 0 within float32's normal "
                       f"range (0 or None disables it).")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):

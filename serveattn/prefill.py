@@ -309,6 +309,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
     if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
+        qo_indptr = qo_indptr.view(np.ndarray)  # a plain array from here (numpy ops on a subclass cost ~2x)
         qo_np = qo_indptr.astype(np.int64)
         qo_lens = qo_np[1:] - qo_np[:-1]
     else:
@@ -454,12 +455,13 @@ def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> tor
         if mask is not None and not isinstance(mask, torch.Tensor):
             policy.refuse(entry, f"{name} is a {type(mask).__name__}; it must be a torch.Tensor.")
     if custom_mask is not None:
-        if custom_mask.dim() > 1 and (qo_lens.numel() != 1 or
-                                      tuple(custom_mask.shape) != (int(qo_lens[0]), int(kv_lens[0]))):
-            want = f"[{int(qo_lens[0])}, {int(kv_lens[0])}]" if qo_lens.numel() == 1 else "none for a batch"
-            policy.refuse(entry, f"custom_mask has shape {tuple(custom_mask.shape)}; a mask is 1-D (each request's "
-                                 f"[qo_len, kv_len] block flattened row-major, concatenated) or, for one request, "
-                                 f"[qo_len, kv_len] ({want}).")
+        # any shape is read flattened, as FlashInfer's; the one mistake that shows is one request's mask given
+        # transposed, [kv_len, qo_len] (the same numel, read as another mask)
+        if qo_lens.numel() == 1 and custom_mask.dim() == 2 and int(qo_lens[0]) != int(kv_lens[0]) and \
+                tuple(custom_mask.shape) == (int(kv_lens[0]), int(qo_lens[0])):
+            policy.refuse(entry, f"custom_mask has shape {tuple(custom_mask.shape)}, [kv_len, qo_len]; a request's "
+                                 f"mask is [qo_len, kv_len] = [{int(qo_lens[0])}, {int(kv_lens[0])}], row-major "
+                                 f"(flattened, one block per request).")
         if custom_mask.dtype != torch.bool:
             policy.refuse(entry, f"custom_mask has dtype {custom_mask.dtype}; it must be bool.")
         if custom_mask.numel() != bits:

@@ -130,7 +130,8 @@ def test_custom_mask_shape_and_type(device):
     flat = serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.reshape(-1).to(device),
                                                   backend="triton")
     assert torch.equal(two_d, flat)
-    with pytest.raises(ValueError, match="custom_mask has shape \\(7, 5\\); a mask is 1-D .*\\(\\[5, 7\\]\\)"):
+    with pytest.raises(ValueError, match="custom_mask has shape \\(7, 5\\), \\[kv_len, qo_len\\]; a request's mask is "
+                                         "\\[qo_len, kv_len\\] = \\[5, 7\\]"):
         serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.t().contiguous().to(device))
     with pytest.raises(ValueError, match="custom_mask is a list; it must be a torch.Tensor"):
         serveattn.single_prefill_with_kv_cache(q, k, v, custom_mask=mask.tolist())
@@ -296,6 +297,8 @@ def test_get_seq_lens_checks_a_host_page_table():
         serveattn.get_seq_lens(torch.tensor([0, 3, 2], dtype=I32), torch.tensor([1, 1], dtype=I32), 4)
     assert serveattn.get_seq_lens(torch.tensor([0, 2, 2], dtype=I32), torch.tensor([3, 0], dtype=I32), 4).tolist() \
         == [7, 0]
+    assert serveattn.get_seq_lens(torch.tensor([2, 4, 5], dtype=I32), torch.tensor([4, 1], dtype=I32), 4).tolist() \
+        == [8, 1]  # a slice of an indptr: only differences are read
 
 
 def _graph_decode(device, backend, cap=2, pages=4, **ctor):
@@ -348,7 +351,7 @@ def test_bandwidth_graph_replan_fits_the_captured_q(device):
     t = lambda *a: torch.tensor(a, dtype=I32, device=device)  # noqa: E731
     w.plan(t(0, 1, 2), t(3, 5), t(4, 2), 4, 2, 64, 4, q_data_type=F16)
     w.run(torch.randn(2, 4, 64, dtype=F16, device=device), cache)
-    with pytest.raises(ValueError, match="the re-plan has 3 query rows but the first run\\(\\) .* had q of 2"):
+    with pytest.raises(ValueError, match="the re-plan has 3 query rows but the first run\\(\\) had q of 2"):
         w.plan(t(0, 1, 2, 3), t(3, 5, 6), t(4, 2, 1), 4, 2, 64, 4, q_data_type=F16)
     w.plan(t(0, 1), t(3), t(4), 4, 2, 64, 4, q_data_type=F16)  # fewer rows: served
 
@@ -393,3 +396,21 @@ def test_sampling_refuses_flashinfer_0_1s_uniform_samples():
                  lambda: serveattn.chain_speculative_sampling(draft, ids, target, uniform_samples=uniforms)):
         with pytest.raises(NotImplementedError, match="uniform_samples \\(FlashInfer 0.1's argument"):
             call()
+
+
+def test_masks_of_any_shape_are_read_flattened(device):
+    """FlashInfer flattens any mask: [sum(qo_len), kv_len] (the stacked row-major blocks when every request has
+    that kv_len) and [B, qo_len, kv_len] are served, bitwise the 1-D mask."""
+    gen = torch.Generator().manual_seed(8)
+    kv = 9  # requests of 3 and 4 query rows, both over 9 keys
+    q = torch.randn(7, 4, 64, generator=gen).to(F16).to(device)
+    k, v = (torch.randn(2 * kv, 2, 64, generator=gen).to(F16).to(device) for _ in range(2))
+    mask = torch.rand(7, kv, generator=gen) > 0.4
+    mask[:, 0] = True
+    outs = []
+    for m in (mask, mask.reshape(-1), mask.reshape(1, 7, kv)):
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
+        w.plan(torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, kv, 2 * kv], dtype=I32), 4, 2, 64,
+               custom_mask=m.to(device), q_data_type=F16)
+        outs.append(w.run(q, k, v))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
