@@ -200,11 +200,14 @@ def test_work_list_keeps_each_request_together_costliest_first(causal):
         assert costs == sorted(costs, reverse=True)
 
 
-@pytest.mark.parametrize("cap", [0.5, 1e3, 1e8])
+@pytest.mark.parametrize("cap", [0.5, 50.0, 1e3, 1e8])
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
 def test_soft_cap_small_and_large(cap, kind, device):
     """c * tanh(logit / c) stays accurate at any cap: a large one (every logit far inside it) once lost the logits
-    to cancellation in 1 - 2 / (exp(2t) + 1) (cap 1e8: all flat); a small one saturates every logit."""
+    to cancellation in 1 - 2 / (exp(2t) + 1) (cap 1e8: all flat); a small one saturates every logit. Caps above
+    common.SERIES_CAP take the series near 0; the realistic ones keep the cheaper form (and their bits)."""
+    from serveattn.kernels.common import SERIES_CAP, soft_cap_mode
+    assert soft_cap_mode(cap) == (2 if cap > SERIES_CAP else 1) and soft_cap_mode(0.0) == 0
     gen = torch.Generator().manual_seed(zlib.crc32(f"cap{cap}{kind}".encode()))
     b = make_paged_batch(gen, qo_lens=[6, 1] if kind == "prefill" else [1, 1], kv_lens=[40, 23], num_qo_heads=8,
                          num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)

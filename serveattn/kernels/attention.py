@@ -23,7 +23,7 @@ except (ImportError, AttributeError):
 from . import gather, replay
 from .. import knobs
 from .common import (EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma, narrow,
-                     to_dtype, vt_column, widen)
+                     soft_cap_mode, to_dtype, vt_column, widen)
 from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -154,12 +154,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf. Near 0 that form cancels
-        # (its error is ~1e-7 absolute, so ~1e-7 * c on the logit: a cap of 1e8 flattened every logit), so for
-        # |t| < 1/8 tanh's series to t^7 (the next term, 62/2835 t^9, is under 2^-28 of t there).
+        # (~1e-7 absolute, so ~1e-7 * c on the logit: harmless for real caps, but a cap of 1e8 flattened every
+        # logit); above SERIES_CAP (common.soft_cap_mode: 2) |t| < 1/8 takes tanh's series to t^7 (the next
+        # term, 62/2835 t^9, is under 2^-28 of t there), at ~7 instructions a score.
         t = s * (sm_scale / soft_cap)
-        t2 = t * t
-        series = t * (1.0 + t2 * (-0.3333333333333333 + t2 * (0.13333333333333333 + t2 * -0.05396825396825397)))
-        tanh = tl.where(tl.abs(t) < 0.125, series, 1.0 - 2.0 / (tl.exp2(t * (2.0 * 1.4426950408889634)) + 1.0))
+        tanh = 1.0 - 2.0 / (tl.exp2(t * (2.0 * 1.4426950408889634)) + 1.0)
+        if SOFT_CAP == 2:
+            t2 = t * t
+            series = t * (1.0 + t2 * (-0.3333333333333333 + t2 * (0.13333333333333333 + t2 * -0.05396825396825397)))
+            tanh = tl.where(tl.abs(t) < 0.125, series, tanh)
         x = soft_cap * tanh * 1.4426950408889634
     elif SOFTMAX_FMA:
         x = s  # scaled inside the fma below
@@ -561,7 +564,7 @@ def _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_p
     kwargs = dict(
         GROUP=plan.group, HEAD_DIM=plan.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_SIZE=plan.page_size, PAGED=plan.paged, CAUSAL=plan.causal, HAS_MASK=plan.has_mask,
-        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, ROPE=plan.rope,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=vt is not None, SPLIT_KV=split is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,

@@ -45,6 +45,16 @@ SOFTMAX_FMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_SOFTMAX_FMA",
 FP8_KEY_ORDER: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_KEY_ORDER", "1") == "1")
 
 
+# Soft caps above this take tanh's series near 0 in the kernels (attention._attend): there the exp form's ~1e-7
+# absolute error, times the cap, reaches ~3e-5 of a logit; below, the cheaper form alone (realistic caps: 30-50).
+SERIES_CAP = 256.0
+
+
+def soft_cap_mode(soft_cap: float) -> int:
+    """The kernels' SOFT_CAP constexpr: 0 none, 1 the exp form, 2 with the series near 0 (caps above SERIES_CAP)."""
+    return 0 if soft_cap <= 0 else (2 if soft_cap > SERIES_CAP else 1)
+
+
 @triton.jit
 def vt_column(n):
     """The column of key n in the transposed V copy: under FP8_KEY_ORDER, key bits (k4 k3 k2 k1 k0) of each 32

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, kv_scale_args, kv_strides
-from .common import LAUNCH_OPTIONS, to_dtype
+from .common import LAUNCH_OPTIONS, soft_cap_mode, to_dtype
 from .launch import Pack
 from .sizes import next_pow2
 
@@ -301,7 +301,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
     kwargs = dict(
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, GROUP_PAD=group_pad, HEAD_DIM=plan.head_dim,
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
-        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=plan.soft_cap > 0, RETURN_LSE=return_lse,
+        HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
