@@ -481,7 +481,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             if lse is not None:
                 policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
             if k_scale is not None or v_scale is not None:
-                policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+                policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
         else:  # anything the fast checks do not pass: the full checks, which refuse or pass
             k, v = kv[:2] if kv is not None else split_paged_cache(entry, paged_kv_cache, self._kv_layout)
             _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
@@ -548,7 +548,7 @@ def _plan_with(entry, plan: DecodePlan, pos_encoding_mode, window_left, logits_s
         policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} at forward() on a plan of the bandwidth "
                                   f"kernel, which serves no RoPE; pass it to plan(), which takes the tensor-core "
                                   f"route for it.")
-    fields = dict(window_left=window_left, soft_cap=float(logits_soft_cap or 0.0),
+    fields = dict(window_left=policy.window(window_left), soft_cap=float(logits_soft_cap or 0.0),
                   sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim))
     return plan if all(getattr(plan, k) == v for k, v in fields.items()) else replace(plan, **fields)
 
@@ -570,7 +570,8 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
+        group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size,
+        window_left=policy.window(window_left),
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.size, tiles=tiles, max_page=max_page,
@@ -679,7 +680,7 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
         policy.check_tensor(entry, "out", out, q.shape, plan.o_dtype, plan.device)
     if lse is not None:
         policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
-    policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+    policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
@@ -737,7 +738,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     out = torch.empty((1,) + tuple(q.shape), dtype=plan.o_dtype, device=q.device)
     lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
     grid0, merge_rows = _grid(plan, False)
-    policy.check_scales(entry, q.device, k_scale=k_scale, v_scale=v_scale)
+    policy.check_scales(entry, q.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
     # completion counts only where a fold happens (an unsplit call launches no merge of either kind)
     done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE and plan.num_slots else None
     decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)

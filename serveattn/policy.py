@@ -180,8 +180,21 @@ def check_pos_encoding(entry: str, mode: str) -> None:
         refuse(entry, f"pos_encoding_mode={mode!r} is not a mode; supported: 'NONE', 'ROPE_LLAMA'.")
 
 
-# The kernels take scales as float32: a positive scale must be a normal float32 (1e-300 would be 0, 1e39 inf).
+# The kernels take scales as float32: a positive scale must be a normal float32 (1e-300 would be 0, 1e39 inf), and
+# so must the logit scale they make of it, sm_scale * k_scale * log2(e).
 F32_TINY, F32_MAX = 2.0 ** -126, 3.4028234663852886e38
+LOG2E = 1.4426950408889634
+
+
+# A window of this many keys or more sees every key of any request served (kv_len < 2^30): plans keep it at this,
+# so the kernels' int32 position arithmetic (position - window_left, positions negative where kv_len < qo_len)
+# cannot wrap (2^31 - 1, a common "no window" value, wrapped and emptied rows).
+WINDOW_CAP = 1 << 30
+
+
+def window(window_left):
+    """A plan's window_left: as given, but a window of WINDOW_CAP keys or more kept at WINDOW_CAP (the same keys)."""
+    return WINDOW_CAP if is_int(window_left) and window_left > WINDOW_CAP else window_left
 
 
 def is_int(value) -> bool:
@@ -196,7 +209,7 @@ def positive_f32(value) -> bool:
 
 def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=None,
                   rope_scale=None, rope_theta=None) -> None:
-    if sm_scale is not None and not positive_f32(sm_scale):
+    if sm_scale is not None and not (positive_f32(sm_scale) and positive_f32(sm_scale * LOG2E)):
         refuse(entry, f"sm_scale={sm_scale!r} must be a positive finite float within float32's normal range.")
     if not is_int(window_left) or window_left < -1:
         refuse(entry, f"window_left={window_left!r} must be an int >= -1 (-1 disables the window).")
@@ -369,10 +382,15 @@ def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dt
         refuse(entry, f"{name} must have a contiguous last dimension (stride {t.stride(-1)} received).")
 
 
-def check_scales(entry: str, device: torch.device, **scales) -> None:
+def check_scales(entry: str, device: torch.device, sm_scale: Optional[float] = None, **scales) -> None:
     """k_scale / v_scale: a positive finite Python float, or a one-element float32 tensor on the device. A tensor's
     value must be positive and finite too (the kernels take the softmax row max on unscaled logits), but it stays
-    on the device unread: checking it would cost a sync per call and cannot run under CUDA graphs."""
+    on the device unread: checking it would cost a sync per call and cannot run under CUDA graphs. With the
+    plan's sm_scale, a float k_scale's logit scale sm_scale * k_scale * log2(e) must be a normal float32 too."""
+    ks = scales.get("k_scale")
+    if sm_scale is not None and positive_f32(ks) and not positive_f32(sm_scale * ks * LOG2E):
+        refuse(entry, f"k_scale={ks!r} makes the logit scale sm_scale * k_scale * log2(e) = "
+                      f"{sm_scale * ks * LOG2E:.3g}, outside float32's normal range.")
     for name, s in scales.items():
         if s is None:
             continue

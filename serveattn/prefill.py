@@ -369,7 +369,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     plan = Plan(
         paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=group, head_dim=head_dim, page_size=page_size, causal=bool(causal) and mask_host is None,
-        has_mask=mask_host is not None, window_left=window_left,
+        has_mask=mask_host is not None, window_left=policy.window(window_left),
         soft_cap=float(logits_soft_cap or 0.0), rope=rope,
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
@@ -873,7 +873,7 @@ class _PrefillWrapper(WorkspaceAccessors):
                                 plan.device)
         if lse is not None:
             policy.check_tensor(entry, "lse", lse, (plan.total_q, plan.num_qo_heads), torch.float32, plan.device)
-        policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+        policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
 
     def _descales(self, entry, scale_q, scale_k, scale_v, k_scale, v_scale):
         plan = self._plan
@@ -895,7 +895,8 @@ class _PrefillWrapper(WorkspaceAccessors):
                 policy.check_tensor(self._entry + ".run", "lse", lse, (self._plan.total_q, self._plan.num_qo_heads),
                                     torch.float32, self._plan.device)
             if k_scale is not None or v_scale is not None:
-                policy.check_scales(self._entry + ".run", self._plan.device, k_scale=k_scale, v_scale=v_scale)
+                policy.check_scales(self._entry + ".run", self._plan.device, self._plan.sm_scale, k_scale=k_scale,
+                                    v_scale=v_scale)
         plan = self._plan
         if plan.backend == "cudnn":
             try:
@@ -1185,7 +1186,8 @@ def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, l
     causal = causal and not plan.has_mask  # a custom mask overrides causal, as at plan()
     if causal and not plan.causal:
         policy.check_causal_lengths(entry, np.diff(plan.qo_indptr_host.numpy()), plan.kv_lens_host.numpy())
-    fields = dict(causal=causal, window_left=window_left, soft_cap=float(logits_soft_cap or 0.0), rope=rope,
+    fields = dict(causal=causal, window_left=policy.window(window_left), soft_cap=float(logits_soft_cap or 0.0),
+                  rope=rope,
                   sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim),
                   log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
                   rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0))
@@ -1199,7 +1201,7 @@ def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
     """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs, but
     at their no-op values (policy.extra_kwargs)."""
     policy.extra_kwargs(entry, kwargs, "run() argument(s)")
-    if window_left is not None and plan is not None and window_left != plan.window_left:
+    if window_left is not None and plan is not None and policy.window(window_left) != plan.window_left:
         policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's "
                              f"{plan.window_left}; pass it to plan().")
 

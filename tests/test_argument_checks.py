@@ -414,3 +414,37 @@ def test_masks_of_any_shape_are_read_flattened(device):
                custom_mask=m.to(device), q_data_type=F16)
         outs.append(w.run(q, k, v))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_no_window_sized_window_sees_every_key(backend, device):
+    """window_left = 2^31 - 1 (a common "no window"): position - window_left wrapped in the prefill kernel's int32
+    where kv_len < qo_len (negative positions) and emptied rows; a plan keeps windows at policy.WINDOW_CAP."""
+    from serveattn import reference
+    from helpers import rel_err, tolerance
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(20, 4, 64, generator=gen).to(F16).to(device)
+    k, v = (torch.randn(5, 2, 64, generator=gen).to(F16).to(device) for _ in range(2))
+    out, lse = serveattn.single_prefill_with_kv_cache(q, k, v, window_left=2 ** 31 - 1, backend=backend,
+                                                      return_lse=True)
+    ref, ref_lse = reference.attention(q.cpu().double(), k.cpu().double(), v.cpu().double())
+    assert rel_err(out, ref) < tolerance(F16) and torch.isfinite(lse).all()
+    b = _batch(device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend=backend)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, window_left=2 ** 31 - 1, q_data_type=F16)
+    dq = _decode_q(b, device)
+    assert torch.equal(w.run(dq, b.cache, window_left=2 ** 31 - 1), w.run(dq, b.cache))  # run()'s check agrees
+
+
+def test_logit_scale_products_outside_float32_are_refused(device):
+    b = _batch(device)
+    for sm_scale, k_scale in ((1e20, 1e20), (1e-20, 1e-20)):  # each a normal float32, their product not
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, sm_scale=sm_scale, q_data_type=F16)
+        with pytest.raises(ValueError, match=f"k_scale={re.escape(repr(k_scale))} makes the logit scale sm_scale \\* k_scale \\* "
+                                             f"log2\\(e\\) = .*, outside float32's normal range"):
+            w.run(_decode_q(b, device), b.cache, k_scale=k_scale)
+    p = serveattn.BatchPrefillWithPagedKVCacheWrapper(_ws(device), backend="torch")
+    with pytest.raises(ValueError, match="sm_scale=3e\\+38 must be a positive finite float"):
+        p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, sm_scale=3e38,
+               q_data_type=F16)
