@@ -170,7 +170,7 @@ class MultiLevelCascadeAttentionWrapper:
                  qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
                  paged_kv_last_page_len_buf_arr=None, backend="auto"):
         entry = self._entry
-        if not isinstance(num_levels, int) or isinstance(num_levels, bool) or num_levels < 1:
+        if not policy.is_int(num_levels) or num_levels < 1:
             policy.refuse(entry, f"num_levels={num_levels!r} must be a positive int.")
         policy.check_kv_layout(entry, kv_layout)
         policy.check_backend(entry, backend)

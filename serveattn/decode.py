@@ -265,7 +265,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                  f"releases).")
         if unsupported_kwargs:
             policy.extra_kwargs(entry, unsupported_kwargs)
-        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
+        if not policy.is_int(q_len_per_req) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
         tree = None
         if tree_parents is not None:

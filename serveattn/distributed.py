@@ -85,7 +85,7 @@ def shard_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len:
     entry = SHARD_ENTRY
     policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
     for name, value in (("world_size", world_size), ("rank", rank)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not policy.is_int(value):
             policy.refuse(entry, f"{name}={value!r} must be an int.")
     if world_size < 1:
         policy.refuse(entry, f"world_size={world_size} must be at least 1.")
@@ -379,7 +379,7 @@ class ContextParallelDecode:
         if tree_parents is not None:
             policy.unsupported(entry, "tree_parents (tree verify) is not served across ranks; chain verify "
                                       "(q_len_per_req=k) is.")
-        if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
+        if not policy.is_int(q_len_per_req) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
         policy.check_pos_encoding(entry, pos_encoding_mode)
         if pos_encoding_mode != "NONE":

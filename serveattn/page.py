@@ -233,7 +233,7 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     if seq_lens.numel() != batch:
         policy.refuse(entry, f"seq_lens has {seq_lens.numel()} entries for a batch of {batch} "
                              f"(append_indptr has {append_indptr.numel()}).")
-    if isinstance(nnz, bool) or not isinstance(nnz, int) or nnz < 0:
+    if not policy.is_int(nnz) or nnz < 0:
         policy.refuse(entry, f"nnz={nnz!r} must be an int >= 0.")
     device = append_indptr.device
     policy.check_same_device(entry, device, seq_lens=seq_lens)
@@ -275,7 +275,7 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     entry = "get_seq_lens"
     policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
     policy.check_index(entry, "kv_last_page_len", kv_last_page_len)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+    if not policy.is_int(page_size) or page_size < 1:
         policy.refuse(entry, f"page_size={page_size!r} must be a positive int.")
     batch = kv_indptr.numel() - 1
     if kv_last_page_len.numel() != batch:

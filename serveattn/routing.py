@@ -221,7 +221,7 @@ def _dtype_or(value, default):
 
 
 def _int_or(value, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    return value if policy.is_int(value) else default
 
 
 def prefill_request(device, *, paged, q_dtype, kv_dtype, o_dtype, head_dim, num_qo_heads, num_kv_heads, causal,

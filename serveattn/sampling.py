@@ -74,7 +74,7 @@ def _seed_value(entry: str, name: str, value) -> Optional[int]:
             policy.refuse(entry, f"{name} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; "
                                  f"expected a Python int or a one-element integer tensor.")
         return int(value.item())
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not policy.is_int(value):
         policy.refuse(entry, f"{name}={value!r} must be a Python int or a one-element integer tensor.")
     return value
 
@@ -164,7 +164,8 @@ def _old_signature(entry, target_probs, third_after, kwargs) -> None:
         policy.unsupported(entry, "uniform_samples (FlashInfer 0.1's argument, third by position there) is not "
                                   "served: pass (draft_probs, draft_token_ids, target_probs, ...) and the random "
                                   "numbers come from generator, or seed and offset.")
-    policy.extra_kwargs(entry, kwargs)
+    if kwargs:
+        policy.extra_kwargs(entry, kwargs)
 
 
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
