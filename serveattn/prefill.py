@@ -169,8 +169,9 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     return torch.from_numpy(work.reshape(-1)), n
 
 
-# split while (work items x KV heads) is under this many programs per SM (session 28, H200: 64 programs split 1.5x
-# faster, 256 programs 0.87x as fast as unsplit)
+# split while (work items x KV heads) is at most half this many programs per SM: a plan filling half the GPU or
+# more gains no wave by splitting (session 28, H200: 64 programs split 1.5x faster, 256 programs 0.87x as fast as
+# unsplit; session 31, H100, page size 1: 64 programs -> 256 1.54x faster, 128 -> 256 0.72x as fast)
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
 
@@ -191,7 +192,7 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     target = SPLIT_PROGRAMS_PER_SM * num_sms
     forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
-    if num_items == 0 or (programs >= target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
+    if num_items == 0 or (2 * programs > target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     if not forced and warp_specialized is not None and warp_specialized():
         return None

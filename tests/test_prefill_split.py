@@ -183,7 +183,8 @@ def test_split_rule_and_work_list():
     # 1 item x 8 KV heads on 132 SMs: 132 programs wanted -> 32 splits of 256
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 1) == 256
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 8) == 2048  # 64 programs: 4 splits
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 16) == 4096  # 128 programs: 2 splits
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 16) is None  # 128 programs: no wave gained
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 9) is None  # 72 programs: more than half
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 17) is None  # 136 programs: full
     assert prefill.split_chunk(qo, np.array([256]), 4, tiles, 8, 132, 1) is None  # one chunk: nothing to cut
     assert prefill.split_chunk(qo, np.array([100000]), 4, tiles, 8, 132, 1) == 3136  # 32 splits, block-rounded
