@@ -213,6 +213,30 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
         assert ptx3.count(instr) == ptx1.count(instr) > 0
 
 
+def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
+    out = tmp_path / f"{kv}-k{k_operand}"
+    compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6",
+                     SERVEATTN_DECODE_K_OPERAND=k_operand)
+    return (out / "decode.ttgir").read_text(), (out / "decode.ptx").read_text()
+
+
+def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
+    """SERVEATTN_DECODE_K_OPERAND=1 (measuring, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
+    in q.K^T's operand registers (one bf16 shared buffer fewer: no round trip for K), and the bf16 cache's q.K^T
+    takes the very same operand layouts (kWidth 4 both), so the k-slots, hence the bits, stay the dequantized
+    run's; P.V is untouched (kWidth 2, V still through its round trip)."""
+    dots = lambda ttgir: re.sub(r"%[\w]+|loc\([^)]*\)", "", "\n".join(  # noqa: E731
+        line for line in ttgir.splitlines() if "tt.dot " in line))
+    buffers = lambda ttgir: len(re.findall(r"local_alloc.*x128xbf16", ttgir))  # noqa: E731
+    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1")
+    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1")
+    fp8_off, _ = _decode_ir(tmp_path, "fp8e4nv", "0")
+    assert dots(fp8) == dots(bf16)
+    assert re.findall(r"kWidth = (\d)", dots(fp8)) == ["4", "4", "2", "2"]
+    assert buffers(fp8) == buffers(fp8_off) - 1
+    assert fp8_ptx.count("mma.sync") == bf16_ptx.count("mma.sync") > 0
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_tiles_keep_the_bitwise_contract(head_dim, monkeypatch):
     """An fp8 cache may pipeline differently from its dequantized copy, but never tile it differently: BLOCK_N
