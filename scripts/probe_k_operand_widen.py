@@ -16,7 +16,6 @@ SASS mix.
 """
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -28,7 +27,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sass_loops import loops  # noqa: E402  (scripts/, beside this file)
+from compile_probe import disassemble  # noqa: E402  (scripts/, beside this file)
+from sass_loops import loops  # noqa: E402
 from serveattn.kernels.common import widen  # noqa: E402
 
 
@@ -64,7 +64,6 @@ def block_loop(Q, K, V, O, N, FP8: tl.constexpr, MODE: tl.constexpr):
 
 
 def main():
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     for kv, mode in (("bf16", 0), ("fp8e4nv", 0), ("bf16", 1), ("fp8e4nv", 1)):
         signature = {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "O": "*fp32", "N": "i32", "FP8": "constexpr",
                      "MODE": "constexpr"}
@@ -72,11 +71,10 @@ def main():
                         attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2, "num_stages": 3})
         ttgir = ck.asm["ttgir"]
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin, sass = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.sass")
-            open(cubin, "wb").write(ck.asm["cubin"])
-            open(sass, "w").write(subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout)
-            body = max(loops(sass), key=lambda loop: len(loop[2]))[2]
+        with tempfile.NamedTemporaryFile("w", suffix=".sass") as sass:  # sass_loops reads a file
+            sass.write(disassemble(ck.asm["cubin"]))
+            sass.flush()
+            body = max(loops(sass.name), key=lambda loop: len(loop[2]))[2]
         mix = {}
         for text in body:
             op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
