@@ -238,7 +238,7 @@ step_probe_decode_tiles() {  # the bandwidth decode kernel (backend triton) unde
 step_probe_decode_split() {  # split-KV at small batch under other split settings (bandwidth kernel)
   # SPLIT_SETTINGS: ";"-separated settings, each a space-separated list of VAR=value (one bench process each,
   # SPLIT_ROUNDS times in turn); SPLIT_CASES: the bench's --cases.
-  local settings=${SPLIT_SETTINGS:-"SERVEATTN_DECODE_MIN_CHUNK=256;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_MIN_CHUNK=1024;SERVEATTN_DECODE_MIN_CHUNK=2048"}
+  local settings=${SPLIT_SETTINGS:-"SERVEATTN_DECODE_MIN_CHUNK=128;SERVEATTN_DECODE_MIN_CHUNK=256;SERVEATTN_DECODE_MIN_CHUNK=512"}
   local cases=${SPLIT_CASES:-1x8192,8x4096,32x2048}
   local list st r
   IFS=';' read -ra list <<< "$settings"

@@ -14,7 +14,7 @@ import torch
 
 from . import backend as backends
 from . import policy
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, make_plan, split_paged_cache
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, check_workspace_reset, make_plan, split_paged_cache
 
 V_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NEG_INF = float("-inf")
@@ -116,7 +116,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = 
         if mask.dtype not in (torch.bool, torch.uint8):
             policy.refuse(entry, f"mask has dtype {mask.dtype}; it must be bool or uint8.")
         policy.check_same_device(entry, v.device, mask=mask)
-        keep = mask.view(torch.uint8)  # same bytes: the kernel reads one byte per row either way
+        # same bytes: the kernel reads one byte per row either way, at unit stride (a strided view is copied)
+        keep = mask.contiguous().view(torch.uint8)
     chosen = backends.resolve(entry, backend, v.device)
     _merge_two(chosen, v, s, v_other, s_other, v, s, keep)
 
@@ -148,8 +149,9 @@ _LEVEL_ARRAYS = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
 def _check_graph_install(entry: str, level: BatchPrefillWithPagedKVCacheWrapper, plan):
     """The refusals that a level's commit would raise under use_cuda_graph=True, made up front: a level's
     commit overwrites its captured buffers, so every level must be known to pass before the first commits.
-    Returns the buffers the commit writes (allocated here at a level's first plan), None for the torch backend."""
-    return level.check_graph_plan(entry, plan) if plan.backend == "triton" else None
+    Returns the buffers the commit writes (allocated here at a level's first plan; the torch backend's: the
+    capacities its re-plans keep)."""
+    return level.check_graph_plan(entry, plan)
 
 
 class MultiLevelCascadeAttentionWrapper:
@@ -172,6 +174,7 @@ class MultiLevelCascadeAttentionWrapper:
         policy.check_backend(entry, backend)
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(entry, backend, use_cuda_graph, float_workspace_buffer.device)
         buf_arrs = dict(qo_indptr_buf_arr=qo_indptr_buf_arr, paged_kv_indptr_buf_arr=paged_kv_indptr_buf_arr,
                         paged_kv_indices_buf_arr=paged_kv_indices_buf_arr,
                         paged_kv_last_page_len_buf_arr=paged_kv_last_page_len_buf_arr)
@@ -212,13 +215,24 @@ class MultiLevelCascadeAttentionWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffers=None) -> None:
+        """FlashInfer's: every level's next plan() works in this buffer (int_workspace_buffers are taken and not
+        used). The plan is dropped: plan() again before run()."""
+        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
+                              self._use_cuda_graph)
+        for level in self._levels:
+            level.reset_workspace_buffer(float_workspace_buffer)
+        self._device = float_workspace_buffer.device
+        self._planned = False
+
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE",
              use_fp16_qk_reduction=False, sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
-             rope_theta=None, q_data_type="float16", kv_data_type=None):
+             rope_theta=None, q_data_type="float16", kv_data_type=None, **unsupported_kwargs):
         """One plan for all levels: the four *_arr arguments are lists with one tensor per level. Every
         level is validated before any is installed; a plan() that raises leaves the previous plan running."""
         entry = self._entry + ".plan"
+        policy.extra_kwargs(entry, unsupported_kwargs)
         arrays = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len)
         for name, arr in zip(_LEVEL_ARRAYS, arrays):
             if not isinstance(arr, (list, tuple)) or len(arr) != self._num_levels:
@@ -273,9 +287,12 @@ class MultiLevelCascadeAttentionWrapper:
                 torch.empty(shape[:2], dtype=torch.float32, device=plan.device),
                 torch.empty(shape[:2], dtype=torch.float32, device=plan.device))
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False):
+    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
+            **unsupported_kwargs):
         """q `[total_q, num_qo_heads, head_dim]` -> out (and the base-2 lse with return_lse=True)."""
         entry = self._entry + ".run"
+        if unsupported_kwargs:
+            policy.extra_kwargs(entry, unsupported_kwargs, "run() argument(s)")
         if not self._planned:
             policy.refuse(entry, "run() was called before plan().")
         k, _ = split_paged_cache(entry, paged_kv_cache, self._kv_layout)
@@ -285,6 +302,10 @@ class MultiLevelCascadeAttentionWrapper:
                     policy.refuse(entry, f"paged_kv_indices_arr[{i}] refers to page {level._plan.max_page}, "
                                          f"beyond the cache's {k.shape[0]} pages.")
         last = self._levels[-1]
+        if self._num_levels > 1 and isinstance(out, torch.Tensor) and isinstance(q, torch.Tensor) and \
+                policy.overlaps(out, q):
+            policy.refuse(entry, "out overlaps q; with several levels the first level's output is written before "
+                                 "the other levels read q, so out must be other memory.")
         if self._num_levels == 1:
             return last.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse,
                             return_lse=return_lse)

@@ -24,7 +24,8 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, split_paged_cache, single_prefill_with_kv_cache
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors
+from .prefill import single_prefill_with_kv_cache, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -187,7 +188,7 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     """Decode over a paged KV cache (FlashInfer's wrapper of the same name)."""
     _entry = "BatchDecodeWithPagedKVCacheWrapper"
 
@@ -200,6 +201,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(self._entry, backend, use_cuda_graph, float_workspace_buffer.device)
         if use_cuda_graph and not all(isinstance(b, torch.Tensor) for b in (
                 paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)):
             policy.refuse(self._entry, "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer "
@@ -222,6 +224,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[staging.Captured] = None
+        self._graph_q_rows: Optional[int] = None  # the bandwidth route's first run() under CUDA graphs: q's rows
         self._graph_signature = None
         self._graph_route: Optional["routing.Decision"] = None  # under use_cuda_graph: the first plan's route
         self._decision: Optional["routing.Decision"] = None
@@ -237,6 +240,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
     @property
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
+
+    def _drop_plans(self) -> None:
+        """reset_workspace_buffer: the plans, partial-state views and counts made in the old workspace go."""
+        self._plan = self._prefill = self._partials_memo = self._done_count = None
+        self._variants = _Variants()
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
@@ -256,7 +264,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                  f"those after kv_data_type by keyword (their order differs between FlashInfer "
                                  f"releases).")
         if unsupported_kwargs:
-            policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
+            policy.extra_kwargs(entry, unsupported_kwargs)
         if not isinstance(q_len_per_req, int) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
         tree = None
@@ -341,6 +349,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         else:
             qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
+        qo_indptr = qo_indptr.view(PlannedIndptr)  # make_plan trusts it (built here, valid by construction)
         wrapper = self._prefill
         # one inner wrapper while the route holds (under CUDA graphs it always does): a new one a plan cost ~3-8 us
         if wrapper is None or wrapper._backend_request != route:
@@ -398,11 +407,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and page "
                                  "table; heads, head dim, dtypes, page size, window, soft cap and sm_scale must stay "
                                  "as first planned.")
+        if self._graph_q_rows is not None and plan.batch * plan.q_len > self._graph_q_rows:
+            policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.batch * plan.q_len} query rows "
+                                 f"but the first run() had q of {self._graph_q_rows} (the q a captured graph "
+                                 f"reads: capture with q of the largest batch).")
         for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
             size = staging.size(getattr(plan, name))
             if size > bufs.caps[name]:
                 policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its "
-                                     f"{name} buffer, which holds {bufs.caps[name]}.")
+                                     f"{name} buffer, which holds {bufs.caps[name]} ({_GRAPH_BUFFER_SOURCE[name]}).")
         # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
         arrays = {n: getattr(plan, n) for n in names}
         if "req_num_slots" in arrays:
@@ -444,8 +457,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             plan = self._prefill._plan if self._prefill is not None else self._plan
             _run_extras(entry, plan, window_left, unsupported_kwargs)
         if q_scale is not None:
-            policy.unsupported(entry, "q_scale is not served; an fp8 query takes the descale tensors scale_q, "
-                                      "scale_k, scale_v (use_tensor_cores=True).")
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if q_len_per_req is not None:
             warnings.warn("q_len_per_req belongs to plan(); passing it to run() is deprecated.", DeprecationWarning,
                           stacklevel=2)
@@ -455,11 +468,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._prefill is not None:
             return self._prefill.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q,
                                      scale_k=scale_k, scale_v=scale_v, out=out, lse=lse, return_lse=return_lse)
-        if scale_q is not None or scale_k is not None or scale_v is not None:  # with none given it passes
-            policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")
+        if scale_q is not None or scale_k is not None or scale_v is not None:  # with none given it passes
+            policy.check_descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale, plan.q_dtype)
         kv = _cache_views(self._caches, paged_kv_cache, self._kv_layout) if paged_kv_cache.__class__ is torch.Tensor \
             else _pair_views(paged_kv_cache, self._kv_layout)
         if kv is not None and _plain_run(plan, q, kv, out, self._kv_layout, plan.batch * plan.q_len):
@@ -467,7 +480,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if lse is not None:
                 policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
             if k_scale is not None or v_scale is not None:
-                policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+                policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
         else:  # anything the fast checks do not pass: the full checks, which refuse or pass
             k, v = kv[:2] if kv is not None else split_paged_cache(entry, paged_kv_cache, self._kv_layout)
             _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, self._kv_layout)
@@ -477,6 +490,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if lse is None and return_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         grid0, merge_rows = _grid(plan, self._use_cuda_graph)
+        if self._use_cuda_graph and self._graph_q_rows is None:  # a graph captures this q: later plans fit it
+            self._graph_q_rows = q.shape[0]
         if grid0:
             decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale,
                                  self._done_count, kv_strides)
@@ -532,7 +547,7 @@ def _plan_with(entry, plan: DecodePlan, pos_encoding_mode, window_left, logits_s
         policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} at forward() on a plan of the bandwidth "
                                   f"kernel, which serves no RoPE; pass it to plan(), which takes the tensor-core "
                                   f"route for it.")
-    fields = dict(window_left=window_left, soft_cap=float(logits_soft_cap or 0.0),
+    fields = dict(window_left=policy.window(window_left), soft_cap=float(logits_soft_cap or 0.0),
                   sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim))
     return plan if all(getattr(plan, k) == v for k, v in fields.items()) else replace(plan, **fields)
 
@@ -554,7 +569,8 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size, window_left=window_left,
+        group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size,
+        window_left=policy.window(window_left),
         soft_cap=float(logits_soft_cap or 0.0),
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, batch=kv_lens.size, tiles=tiles, max_page=max_page,
@@ -570,6 +586,14 @@ def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
                                 "use_tensor_cores=True.")
 
 
+# what sizes each captured buffer, in the caller's terms (refusals name it)
+_GRAPH_BUFFER_SOURCE = {
+    "work": "sized at the first plan from the batch capacity and the workspace", "num_work": "one entry",
+    "req_first_slot": "the batch capacity: paged_kv_last_page_len_buffer's size",
+    "req_num_slots": "the batch capacity: paged_kv_last_page_len_buffer's size",
+    "kv_indptr": "paged_kv_indptr_buffer, given at construction",
+    "kv_indices": "paged_kv_indices_buffer, given at construction",
+    "last_page_len": "paged_kv_last_page_len_buffer, given at construction"}
 _PLAN_ARRAYS = ("work", "num_work", "req_first_slot", "req_num_slots", "kv_indptr", "kv_indices", "last_page_len")
 # What the kernels read on the device: a work item carries its request's KV start and length and its slots, so
 # kv_indptr and last_page_len stay on the host, and the request arrays are merge_kernel's alone (unfused merges).
@@ -647,6 +671,7 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
                                  f"[num_pages, {', '.join(map(str, want))}].")
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
+    policy.check_same_pages(entry, k, v)
     if plan.max_page >= k.shape[0]:
         policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's {k.shape[0]} "
                              f"pages.")
@@ -654,7 +679,7 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
         policy.check_tensor(entry, "out", out, q.shape, plan.o_dtype, plan.device)
     if lse is not None:
         policy.check_tensor(entry, "lse", lse, q.shape[:2], torch.float32, plan.device)
-    policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+    policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
@@ -665,13 +690,12 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         policy.refuse(entry, f"q must be a 2-D [num_qo_heads, head_dim] tensor, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
-    if q_scale is not None:
-        policy.unsupported(entry, "q_scale (an fp8 query) is not served yet.")
+    k_scale = policy.fold_q_scale(entry, q_scale, k_scale)
     policy.check_kv_layout(entry, kv_layout)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             policy.refuse(entry, f"{name} must be a 3-D tensor.")
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     route = backends.resolve(entry, backend, q.device)
     if route == "triton" and use_tensor_cores and backend == "auto" and pos_encoding_mode == "NONE":
         # use_tensor_cores=True is a hint under auto, as for the batch wrapper: the table decides for one request
@@ -700,7 +724,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     if k.shape[2] != q.shape[1]:
         policy.refuse(entry, f"q has head dim {q.shape[1]} but k has {k.shape[2]}.")
     policy.check_same_device(entry, q.device, k=k, v=v)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v)):  # the kernel reads each row's head dim at unit stride
         if t.stride(-1) != 1:
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
     plan = make_decode_plan(entry, q.device, np.array([kv_len]), q.shape[0], num_kv_heads, q.shape[1], 1,
@@ -713,7 +737,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     out = torch.empty((1,) + tuple(q.shape), dtype=plan.o_dtype, device=q.device)
     lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
     grid0, merge_rows = _grid(plan, False)
-    policy.check_scales(entry, q.device, k_scale=k_scale, v_scale=v_scale)
+    policy.check_scales(entry, q.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
     # completion counts only where a fold happens (an unsplit call launches no merge of either kind)
     done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE and plan.num_slots else None
     decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)

@@ -331,10 +331,12 @@ class ContextParallelDecode:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
              q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
-        """The decode wrapper's plan on this rank's shard; collective (every rank calls it together)."""
+        """The decode wrapper's plan on this rank's shard; collective (every rank calls it together). As the
+        decode wrapper's, it binds arguments by position through kv_data_type (FlashInfer's releases order the
+        rest differently)."""
         entry = ENTRY + ".plan"
         if data_type is not None and kv_data_type is None:
             kv_data_type = data_type
@@ -343,7 +345,7 @@ class ContextParallelDecode:
             local = self._check_local(entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                                       page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                                       kv_data_type, o_data_type, sm_scale, q_len_per_req, tree_parents,
-                                      unsupported_kwargs)
+                                      unsupported_kwargs, len(positional_rest))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
             error = exc
         self._agree_header(entry, local, error)
@@ -367,9 +369,13 @@ class ContextParallelDecode:
 
     def _check_local(self, entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                      pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
-                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs) -> dict:
+                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs, positional_rest: int = 0) -> dict:
+        if positional_rest:  # raised on every rank alike, agreed like any other local refusal
+            policy.refuse(entry, f"plan() got {5 + positional_rest} arguments after page_size by position; pass "
+                                 f"those after kv_data_type by keyword (their order differs between FlashInfer "
+                                 f"releases).")
         if unsupported_kwargs:
-            policy.unsupported(entry, f"argument(s) {', '.join(sorted(unsupported_kwargs))} are not served.")
+            policy.extra_kwargs(entry, unsupported_kwargs)
         if tree_parents is not None:
             policy.unsupported(entry, "tree_parents (tree verify) is not served across ranks; chain verify "
                                       "(q_len_per_req=k) is.")
@@ -501,15 +507,22 @@ class ContextParallelDecode:
 
     # ------------------------------------------------------------ run
 
-    def run(self, q, paged_kv_cache, *args, k_scale=None, v_scale=None, out=None, lse=None, return_lse=False,
-            **unsupported_kwargs):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
+            return_lse=False, enable_pdl=None, window_left=None, **unsupported_kwargs):
         """q `[batch * q_len_per_req, Hq, D]` (the whole batch, the same on every rank), this rank's paged cache
         -> out `[batch * q_len_per_req, Hq, D]` (and the base-2 lse `[.., Hq]`), merged over all ranks;
-        collective. k_scale / v_scale (fp8 cache) go to every sub-run unchanged."""
+        collective. k_scale / v_scale (fp8 cache) go to every sub-run unchanged; q_scale, enable_pdl, window_left
+        (only -1, the plan's) and FlashInfer's later keywords at their no-op values as the decode wrapper's run()."""
         entry = ENTRY + ".run"
-        if args or unsupported_kwargs:
-            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, out, lse, "
-                                      "return_lse.")
+        if args:
+            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords q_scale, k_scale, v_scale, "
+                                      "out, lse, return_lse.")
+        if unsupported_kwargs:
+            policy.extra_kwargs(entry, unsupported_kwargs, "run() argument(s)")
+        if window_left is not None and window_left != -1:
+            policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's -1 (no window "
+                                 f"is served across ranks).")
+        k_scale = policy.fold_q_scale(entry, q_scale, k_scale)
         plan = self._plan
         if plan is None:
             policy.refuse(entry, "run() was called before plan().")

@@ -30,7 +30,7 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
             policy.refuse(entry, f"paged_kv_cache tuple holds shapes {tuple(k_cache.shape)} and "
                                  f"{tuple(v_cache.shape)}; both must be the same 4-D shape "
                                  f"[num_pages, page_size, num_kv_heads, head_dim] ({kv_layout}).")
-        policy.check_same_kv_dtype(entry, k_cache, v_cache)
+        policy.check_kv_pair(entry, k_cache, v_cache)
         policy.check_same_device(entry, k_cache.device, v_cache=v_cache)
     elif isinstance(paged_kv_cache, torch.Tensor):
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
@@ -76,7 +76,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; expected [nnz, {num_kv_heads}, {head_dim}] "
                                  f"(num_kv_heads and head_dim of the cache).")
-    policy.check_same_kv_dtype(entry, append_key, append_value)
+    policy.check_kv_pair(entry, append_key, append_value)
     quantize = append_key.dtype in policy.HALF_DTYPES and k_cache.dtype in policy.FP8_DTYPES
     if quantize:
         if k_scale is None or v_scale is None:
@@ -262,6 +262,16 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
         policy.refuse(entry, f"kv_last_page_len has {kv_last_page_len.numel()} entries for a batch of {batch} "
                              f"(kv_indptr has {kv_indptr.numel()}).")
     policy.check_same_device(entry, kv_indptr.device, kv_last_page_len=kv_last_page_len)
+    if kv_indptr.is_cpu:  # a table on the host is checked (API.md); a device one would cost a sync
+        ip = kv_indptr.long()  # (any start: only differences are read, so a slice of an indptr serves)
+        if bool((ip[1:] < ip[:-1]).any()):
+            policy.refuse(entry, "kv_indptr decreases somewhere; an indptr must be non-decreasing.")
+        last = kv_last_page_len.long()
+        bad = ((ip[1:] - ip[:-1]) > 0) & ((last < 1) | (last > page_size))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            policy.refuse(entry, f"kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+                                 f"for a request that owns pages.")
     pages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (pages - 1) * page_size + kv_last_page_len
     return torch.where(pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)

@@ -7,7 +7,6 @@ Each message names the entry point, the argument, the value received and what is
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,6 +52,30 @@ def refuse(entry: str, message: str) -> None:
 def unsupported(entry: str, message: str) -> None:
     """A valid request that this library does not serve."""
     raise NotImplementedError(f"{entry}: {message}")
+
+
+# FlashInfer's later keyword arguments (0.7.x: trtllm-gen / cuDNN inputs, attention sinks, scale-factor caches, ...),
+# each with the value that leaves its call as it was before the argument existed. An engine that forwards every
+# keyword passes these; the value is accepted, anything else is refused by name (extra_kwargs).
+FLASHINFER_NOOPS = {
+    "sinks": None, "kv_cache_sf": None, "skip_softmax_threshold_scale_factor": None, "use_fp16_softmax": None,
+    "uses_spcompress": None, "o_scale": None, "window_right": 0, "is_causal": None, "block_tables": None,
+    "seq_lens": None, "seq_lens_q": None, "uniform_q_len": None, "max_token_per_sequence": None,
+    "max_sequence_kv": None, "prefix_len_ptr": None, "token_pos_in_items_ptr": None, "token_pos_in_items_len": 0,
+    "max_item_len_ptr": None, "v_indptr": None, "o_indptr": None, "jit_kwargs": None, "variant_owns_mask": False,
+}
+
+
+def extra_kwargs(entry: str, kwargs: dict, what: str = "argument(s)") -> None:
+    """Keywords beyond an entry point's own: FlashInfer's later ones at their no-op value pass; any other is
+    refused by name, before anything runs."""
+    refused = [name for name, value in kwargs.items()
+               if not (name in FLASHINFER_NOOPS and (value is None if FLASHINFER_NOOPS[name] is None else
+                                                     type(value) is type(FLASHINFER_NOOPS[name]) and
+                                                     value == FLASHINFER_NOOPS[name]))]
+    if refused:
+        unsupported(entry, f"{what} {', '.join(sorted(refused))} are not served"
+                           f"{' at these values' if all(n in FLASHINFER_NOOPS for n in refused) else ''}.")
 
 
 # ---------------------------------------------------------------- dtypes
@@ -109,22 +132,34 @@ def check_o_dtype(entry: str, o_dtype: torch.dtype) -> None:
                            f"{_names(HALF_DTYPES)}.")
 
 
-def check_same_kv_dtype(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_kv_pair(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    """K and V: two tensors of one dtype (their shapes are checked against the plan, or each other, after)."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            refuse(entry, f"{name} is a {type(t).__name__}; K and V must be tensors.")
     if k.dtype != v.dtype:
         refuse(entry, f"k has dtype {k.dtype} but v has dtype {v.dtype}; K and V must share one dtype.")
+
+
+def check_same_pages(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A (k_cache, v_cache) pair whose page shape the plan checked: one page table indexes both."""
+    if k.shape[0] != v.shape[0]:
+        refuse(entry, f"v cache has {v.shape[0]} pages but k cache has {k.shape[0]}; one page table indexes both.")
 
 
 # ---------------------------------------------------------------- shapes and options
 
 def check_heads(entry: str, num_qo_heads: int, num_kv_heads: int) -> None:
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             refuse(entry, f"{name}={value!r} must be a positive int.")
     if num_qo_heads % num_kv_heads:
         refuse(entry, f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
 
 
 def check_head_dim(entry: str, head_dim: int, head_dim_vo: Optional[int] = None) -> None:
+    if not is_int(head_dim):
+        refuse(entry, f"head_dim={head_dim!r} ({type(head_dim).__name__}) must be a Python int.")
     if head_dim not in HEAD_DIMS:
         unsupported(entry, f"head_dim={head_dim} is not served; supported head dims are "
                            f"{', '.join(map(str, HEAD_DIMS))}.")
@@ -145,20 +180,47 @@ def check_pos_encoding(entry: str, mode: str) -> None:
         refuse(entry, f"pos_encoding_mode={mode!r} is not a mode; supported: 'NONE', 'ROPE_LLAMA'.")
 
 
+# The kernels take scales as float32: a positive scale must be a normal float32 (1e-300 would be 0, 1e39 inf), and
+# so must the logit scale they make of it, sm_scale * k_scale * log2(e).
+F32_TINY, F32_MAX = 2.0 ** -126, 3.4028234663852886e38
+LOG2E = 1.4426950408889634
+
+
+# A window of this many keys or more sees every key of any request served (kv_len < 2^30): plans keep it at this,
+# so the kernels' int32 position arithmetic (position - window_left, positions negative where kv_len < qo_len)
+# cannot wrap (2^31 - 1, a common "no window" value, wrapped and emptied rows).
+WINDOW_CAP = 1 << 30
+
+
+def window(window_left):
+    """A plan's window_left: as given, but a window of WINDOW_CAP keys or more kept at WINDOW_CAP (the same keys)."""
+    return WINDOW_CAP if is_int(window_left) and window_left > WINDOW_CAP else window_left
+
+
+def is_int(value) -> bool:
+    """A Python int that is not a bool (numpy integers, floats and tensors are refused by the checks that ask)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_f32(value) -> bool:
+    """A Python int or float (not a bool) that float32 holds as a positive normal number."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and F32_TINY <= value <= F32_MAX
+
+
 def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=None,
                   rope_scale=None, rope_theta=None) -> None:
-    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
-                                     and sm_scale > 0):
-        refuse(entry, f"sm_scale={sm_scale!r} must be a positive finite float.")
-    if not isinstance(window_left, int) or window_left < -1:
+    if sm_scale is not None and not (positive_f32(sm_scale) and positive_f32(sm_scale * LOG2E)):
+        refuse(entry, f"sm_scale={sm_scale!r} must be a positive finite float within float32's normal range.")
+    if not is_int(window_left) or window_left < -1:
         refuse(entry, f"window_left={window_left!r} must be an int >= -1 (-1 disables the window).")
-    if logits_soft_cap is not None and not (isinstance(logits_soft_cap, (int, float))
-                                            and math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
-        refuse(entry, f"logits_soft_cap={logits_soft_cap!r} must be a finite float >= 0 "
-                      f"(0 or None disables it).")
+    if logits_soft_cap is not None and not (positive_f32(logits_soft_cap) or (
+            isinstance(logits_soft_cap, (int, float)) and not isinstance(logits_soft_cap, bool) and
+            logits_soft_cap == 0)):
+        refuse(entry, f"logits_soft_cap={logits_soft_cap!r} must be a finite float >= 0 within float32's normal "
+                      f"range (0 or None disables it).")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            refuse(entry, f"{name}={value!r} must be a positive finite float.")
+        if value is not None and not positive_f32(value):
+            refuse(entry, f"{name}={value!r} must be a positive finite float within float32's normal range.")
 
 
 def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional[int], bool]:
@@ -171,6 +233,14 @@ def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional
         refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk), or -1 "
                       f"or None for the library's choice.")
     return fixed_split_size, True
+
+
+def check_graph_backend(entry: str, backend: str, use_cuda_graph: bool, device) -> None:
+    """backend='torch' cannot be captured in a CUDA graph (its request loop runs on the host): refused on CUDA at
+    construction. On the CPU (nothing to capture) its plans keep the re-plan rules of the other routes."""
+    if use_cuda_graph and backend == "torch" and torch.device(device).type == "cuda":
+        from .routing import torch_graph
+        unsupported(entry, torch_graph())
 
 
 def check_backend(entry: str, backend: str) -> None:
@@ -233,7 +303,7 @@ def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_pag
 
     numpy, not torch, and few numpy calls (each costs about a microsecond on 256 entries): a cheap test of the
     whole table first, the sentence-producing checks only where it fails."""
-    if not isinstance(page_size, int) or page_size < 1:
+    if not is_int(page_size) or page_size < 1:
         refuse(entry, f"page_size={page_size!r} must be a positive int.")
     check_index(entry, "paged_kv_indptr", indptr, min_len=1)
     check_index(entry, "paged_kv_indices", indices)
@@ -312,10 +382,15 @@ def check_tensor(entry: str, name: str, t, shape: Sequence[int], dtype: torch.dt
         refuse(entry, f"{name} must have a contiguous last dimension (stride {t.stride(-1)} received).")
 
 
-def check_scales(entry: str, device: torch.device, **scales) -> None:
+def check_scales(entry: str, device: torch.device, sm_scale: Optional[float] = None, **scales) -> None:
     """k_scale / v_scale: a positive finite Python float, or a one-element float32 tensor on the device. A tensor's
     value must be positive and finite too (the kernels take the softmax row max on unscaled logits), but it stays
-    on the device unread: checking it would cost a sync per call and cannot run under CUDA graphs."""
+    on the device unread: checking it would cost a sync per call and cannot run under CUDA graphs. With the
+    plan's sm_scale, a float k_scale's logit scale sm_scale * k_scale * log2(e) must be a normal float32 too."""
+    ks = scales.get("k_scale")
+    if sm_scale is not None and positive_f32(ks) and not positive_f32(sm_scale * ks * LOG2E):
+        refuse(entry, f"k_scale={ks!r} makes the logit scale sm_scale * k_scale * log2(e) = "
+                      f"{sm_scale * ks * LOG2E:.3g}, outside float32's normal range.")
     for name, s in scales.items():
         if s is None:
             continue
@@ -325,8 +400,26 @@ def check_scales(entry: str, device: torch.device, **scales) -> None:
                               f"must be one float32 element.")
             if s.device != torch.device(device):
                 refuse(entry, f"{name} is on {s.device}; a tensor scale must be on {torch.device(device)}.")
-        elif not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
-            refuse(entry, f"{name}={s!r} must be a positive finite float or a one-element float32 tensor.")
+        elif not positive_f32(s):
+            refuse(entry, f"{name}={s!r} must be a positive finite float (a normal float32) or a one-element "
+                          f"float32 tensor.")
+
+
+def fold_q_scale(entry: str, q_scale, k_scale, descales_given: bool = False):
+    """FlashInfer's q_scale (a float calibration scale of the query): it multiplies the logits' scale as k_scale
+    does (sm_scale * q_scale * k_scale). Returns the k_scale that carries both (check_scales checks it)."""
+    if q_scale is None:
+        return k_scale
+    if not positive_f32(q_scale):
+        refuse(entry, f"q_scale={q_scale!r} must be a positive finite float (a normal float32); an fp8 query's "
+                      f"descales are the tensors scale_q, scale_k, scale_v.")
+    if descales_given:
+        refuse(entry, "q_scale and scale_q/scale_k/scale_v were both given; the descales already dequantize q.")
+    if k_scale is None:
+        return float(q_scale)
+    if isinstance(k_scale, torch.Tensor):
+        unsupported(entry, "q_scale beside a tensor k_scale is not served; fold q_scale into k_scale.")
+    return k_scale * q_scale if positive_f32(k_scale) else k_scale  # a bad k_scale: check_scales refuses it
 
 
 def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None,
@@ -359,7 +452,23 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
         elif s.device != torch.device(device):
             refuse(entry, f"{name} is on {s.device}; a descale must be on {torch.device(device)}.")
         out.append(s.contiguous())
-    return tuple(out)
+    dq, dk, dv = out
+    if dk.numel() != dv.numel():  # the kernels read scale_k and scale_v with one stride: both per head, then
+        dk, dv = (d.expand(num_kv_heads).contiguous() if d.numel() == 1 else d for d in (dk, dv))
+    return dq, dk, dv
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory extents intersect (one storage, overlapping byte ranges)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or \
+            a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_same_device(entry: str, device: torch.device, **tensors) -> None:

@@ -168,6 +168,10 @@ def _tiles(qo_len, group: int, block_m: int):
     return (qo_len * group + block_m - 1) // block_m
 
 
+class PlannedIndptr(np.ndarray):
+    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks)."""
+
+
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
               num_qo_heads, num_kv_heads, head_dim, head_dim_vo, custom_mask, packed_custom_mask, causal,
               pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -176,8 +180,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               held: Optional[routing.Decision] = None, batch_invariant: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
-    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's int32 numpy array (its rows per
-    request, valid by construction).
+    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
+    request, valid by construction; any other numpy array is the caller's, and refused as a tensor would be).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
@@ -204,7 +208,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
 
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
-    if isinstance(qo_indptr, np.ndarray):  # int32, built by the decode planner: valid by construction
+    if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
+        qo_indptr = qo_indptr.view(np.ndarray)  # a plain array from here (numpy ops on a subclass cost ~2x)
         qo_np = qo_indptr.astype(np.int64)
         qo_lens = qo_np[1:] - qo_np[:-1]
     else:
@@ -264,7 +269,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     plan = Plan(
         paged=paged, backend=chosen, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=group, head_dim=head_dim, page_size=page_size, causal=bool(causal) and mask_host is None,
-        has_mask=mask_host is not None, window_left=window_left,
+        has_mask=mask_host is not None, window_left=policy.window(window_left),
         soft_cap=float(logits_soft_cap or 0.0), rope=rope,
         sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
         log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
@@ -293,7 +298,17 @@ def _mask_indptr(qo_lens, kv_lens):
 def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> torch.Tensor:
     """Returns the flat bool mask on the host (a packed mask is unpacked once, here)."""
     bits = int((qo_lens * kv_lens).sum())
+    for name, mask in (("custom_mask", custom_mask), ("packed_custom_mask", packed_custom_mask)):
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            policy.refuse(entry, f"{name} is a {type(mask).__name__}; it must be a torch.Tensor.")
     if custom_mask is not None:
+        # any shape is read flattened, as FlashInfer's; the one mistake that shows is one request's mask given
+        # transposed, [kv_len, qo_len] (the same numel, read as another mask)
+        if qo_lens.numel() == 1 and custom_mask.dim() == 2 and int(qo_lens[0]) != int(kv_lens[0]) and \
+                tuple(custom_mask.shape) == (int(kv_lens[0]), int(qo_lens[0])):
+            policy.refuse(entry, f"custom_mask has shape {tuple(custom_mask.shape)}, [kv_len, qo_len]; a request's "
+                                 f"mask is [qo_len, kv_len] = [{int(qo_lens[0])}, {int(kv_lens[0])}], row-major "
+                                 f"(flattened, one block per request).")
         if custom_mask.dtype != torch.bool:
             policy.refuse(entry, f"custom_mask has dtype {custom_mask.dtype}; it must be bool.")
         if custom_mask.numel() != bits:
@@ -327,7 +342,7 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
                                  f"or a (k_cache, v_cache) tuple.")
         k, v = cache.unbind(1)  # both views in one call (every run pays this)
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     return k, v
 
 
@@ -467,15 +482,76 @@ class _Variants:
                 wrapper._plan = plan
 
 
-class _PrefillWrapper:
+def _check_signature(entry: str, plan: Plan, signature, first) -> None:
+    if (plan.static_signature() if signature is None else signature) != first:
+        policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
+                             "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
+                             "soft cap, sm_scale and positional encoding must stay as first planned.")
+
+
+def _check_capacities(entry: str, plan: Plan, caps: dict) -> None:
+    for name in _ARRAYS:
+        t = getattr(plan, name)
+        if t is not None:
+            _check_capacity(entry, name, staging.size(t), caps[name])
+
+
+def _check_capacity(entry: str, name: str, size: int, cap: int) -> None:
+    if size > cap:
+        policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its {name} buffer, "
+                             f"which holds {cap}; give larger buffers (or workspace) at construction.")
+
+
+def _torch_sizes(plan: Plan) -> dict:
+    """The entries each index array of a torch-route plan would take in the captured routes' buffers."""
+    sizes = {"qo_indptr": plan.batch + 1, "kv_indptr": plan.batch + 1}
+    if plan.paged:
+        sizes.update(kv_indices=plan.kv_indices_host.numel(), last_page_len=plan.batch)
+    if plan.has_mask:
+        qo_lens = plan.qo_indptr_host[1:] - plan.qo_indptr_host[:-1]
+        sizes.update(mask=int(((qo_lens * plan.kv_lens_host + 7) // 8).sum()), mask_indptr=plan.batch + 1)
+    return sizes
+
+
+def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bool) -> None:
+    if not isinstance(float_workspace_buffer, torch.Tensor):
+        policy.refuse(entry, f"float_workspace_buffer is a {type(float_workspace_buffer).__name__}; it must be a "
+                             f"torch.Tensor.")
+    if use_cuda_graph:
+        policy.unsupported(entry, "under use_cuda_graph=True the workspace holds what a captured graph reads; "
+                                  "build a new wrapper (and capture again) instead.")
+
+
+class WorkspaceAccessors:
+    """FlashInfer's is_cuda_graph_enabled and reset_workspace_buffer, for a wrapper with _entry, _workspace,
+    _use_cuda_graph and _drop_plans()."""
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer=None) -> None:
+        """FlashInfer's: the buffer the next plan() works in (int_workspace_buffer is taken and not used: a plan's
+        index arrays live in a buffer the wrapper allocates). The plan is dropped: plan() again before run()."""
+        check_workspace_reset(self._entry + ".reset_workspace_buffer", float_workspace_buffer,
+                              self._use_cuda_graph)
+        self._workspace = float_workspace_buffer
+        self._drop_plans()
+
+
+class _PrefillWrapper(WorkspaceAccessors):
     _entry = "BatchPrefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", jit_args=None, extra_kwargs=None):
         policy.check_kv_layout(self._entry, kv_layout)
         policy.check_backend(self._entry, backend)
+        if jit_args is not None:
+            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+        policy.extra_kwargs(self._entry, extra_kwargs or {})
         if not isinstance(float_workspace_buffer, torch.Tensor):
             policy.refuse(self._entry, "float_workspace_buffer must be a torch.Tensor.")
+        policy.check_graph_backend(self._entry, backend, use_cuda_graph, float_workspace_buffer.device)
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph
@@ -484,6 +560,7 @@ class _PrefillWrapper:
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._graph_bufs: Optional[staging.Captured] = None  # under use_cuda_graph: what the captured graph reads
         self._graph_signature = None
+        self._torch_caps: Optional[dict] = None  # backend='torch' under use_cuda_graph (CPU): _checked_torch
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
         self._graph_q_rows: Optional[int] = None
@@ -495,6 +572,11 @@ class _PrefillWrapper:
     @property
     def device(self) -> torch.device:
         return self._workspace.device
+
+    def _drop_plans(self) -> None:
+        """reset_workspace_buffer: the plan (and its forward() variants) made in the old workspace go."""
+        self._plan = None
+        self._variants = _Variants()
 
     def _commit(self, plan: Plan, graph_bufs: Optional[staging.Captured] = None) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs).
@@ -510,6 +592,10 @@ class _PrefillWrapper:
                 for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
                                                   self._kept).items():
                     setattr(plan, name, t)
+        elif self._use_cuda_graph:
+            self._torch_caps = graph_bufs if graph_bufs is not None else self._checked_torch(self._entry + ".plan",
+                                                                                             plan)
+            self._graph_signature = plan.static_signature()
         self._plan = plan
         self.backend = plan.backend
         self.backend_fallback_reason = plan.decision.reason if plan.decision is not None else None
@@ -535,12 +621,11 @@ class _PrefillWrapper:
         """Every refusal installing `plan` under use_cuda_graph=True could raise, raised before any write;
         returns the fixed buffers the plan would be written into (the cascade wrapper checks all its levels
         with this before the first level commits). signature: plan.static_signature(), where the caller has it."""
+        if plan.backend == "torch":
+            return self._checked_torch(entry, plan, signature)
         if self._graph_bufs is None:
             return self._checked_sizes(entry, plan, staging.Captured(self._allocate_graph_buffers(entry, plan)))
-        if (plan.static_signature() if signature is None else signature) != self._graph_signature:
-            policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
-                                 "page table; heads, head dim, dtypes, page size, causal/mask mode, window, "
-                                 "soft cap, sm_scale and positional encoding must stay as first planned.")
+        _check_signature(entry, plan, signature, self._graph_signature)
         if self._graph_q_rows is not None and plan.total_q > self._graph_q_rows:
             policy.refuse(entry, f"under use_cuda_graph=True the re-plan has {plan.total_q} query rows but "
                                  f"the captured q holds {self._graph_q_rows}.")
@@ -548,13 +633,24 @@ class _PrefillWrapper:
 
     @staticmethod
     def _checked_sizes(entry: str, plan: Plan, bufs: staging.Captured) -> staging.Captured:
-        for name in _ARRAYS:
-            t = getattr(plan, name)
-            if t is not None and staging.size(t) > bufs.caps[name]:
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {staging.size(t)} entries in its "
-                                     f"{name} buffer, which holds {bufs.caps[name]}; give larger buffers "
-                                     f"(or workspace) at construction.")
+        _check_capacities(entry, plan, bufs.caps)
         return bufs
+
+    def _checked_torch(self, entry: str, plan: Plan, signature=None) -> dict:
+        """backend='torch' under use_cuda_graph=True (the CPU: on CUDA it is refused at construction): nothing is
+        captured, but a re-plan keeps the other routes' rules (the first plan's signature; each index array
+        within the buffer given at construction, else the first plan's size), so what passes here passes on the
+        GPU. Returns the capacities."""
+        if self._graph_signature is not None:
+            _check_signature(entry, plan, signature, self._graph_signature)
+        sizes = _torch_sizes(plan)
+        caps = self._torch_caps
+        if caps is None:
+            caps = {n: self._caller_bufs[n].numel() if self._caller_bufs.get(n) is not None else size
+                    for n, size in sizes.items()}
+        for name, size in sizes.items():
+            _check_capacity(entry, name, size, caps.get(name, size))
+        return caps
 
     def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
         """The fixed buffers: the caller's where given, the work list in the workspace, else sized by this plan."""
@@ -593,7 +689,7 @@ class _PrefillWrapper:
                                 plan.device)
         if lse is not None:
             policy.check_tensor(entry, "lse", lse, (plan.total_q, plan.num_qo_heads), torch.float32, plan.device)
-        policy.check_scales(entry, plan.device, k_scale=k_scale, v_scale=v_scale)
+        policy.check_scales(entry, plan.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
 
     def _descales(self, entry, scale_q, scale_k, scale_v, k_scale, v_scale):
         plan = self._plan
@@ -615,7 +711,8 @@ class _PrefillWrapper:
                 policy.check_tensor(self._entry + ".run", "lse", lse, (self._plan.total_q, self._plan.num_qo_heads),
                                     torch.float32, self._plan.device)
             if k_scale is not None or v_scale is not None:
-                policy.check_scales(self._entry + ".run", self._plan.device, k_scale=k_scale, v_scale=v_scale)
+                policy.check_scales(self._entry + ".run", self._plan.device, self._plan.sm_scale, k_scale=k_scale,
+                                    v_scale=v_scale)
         plan = self._plan
         if plan.backend == "cudnn":
             try:
@@ -666,28 +763,30 @@ class _PrefillWrapper:
     def _lse_as(self, entry, lse_base, lse_layout, return_lse, lse, call):
         """FlashInfer's lse_base / lse_layout: the base-2 [rows, heads] LSE the kernels write, returned as natural
         log ("ln") and / or [heads, rows] ("HN", a contiguous copy, into the caller's lse of that layout where
-        given). call(lse) runs the call with our own layout's buffer."""
+        given). call(lse, return_lse) runs the call with our own layout's buffer. A caller's lse is written in the
+        asked base and layout with or without return_lse (as a base-2 NH lse is)."""
         if lse_base not in ("log2", "ln"):
             policy.refuse(entry, f"lse_base={lse_base!r} must be 'log2' (the default) or 'ln'.")
         if lse_layout not in ("NH", "HN"):
             policy.refuse(entry, f"lse_layout={lse_layout!r} must be 'NH' (the default) or 'HN'.")
         plan = self._plan
-        if not return_lse or plan is None:
-            return call(lse if lse_layout == "NH" else None)
+        if plan is None or (not return_lse and lse is None):
+            return call(None, return_lse)
         if lse_layout == "NH":
-            out, nh = call(lse)
-            return out, nh.mul_(LN2)
+            out, nh = call(lse, True)
+            nh.mul_(LN2)
+            return (out, nh) if return_lse else out
         if lse is not None:
             policy.check_tensor(entry, "lse", lse, (plan.num_qo_heads, plan.total_q), torch.float32, plan.device)
             if not lse.is_contiguous():
                 policy.refuse(entry, "lse for lse_layout='HN' must be contiguous.")
-        out, nh = call(None)
+        out, nh = call(None, True)
         hn = lse if lse is not None else torch.empty(nh.t().shape, dtype=torch.float32, device=nh.device)
         if lse_base == "ln":
             torch.mul(nh.t(), LN2, out=hn)
         else:
             hn.copy_(nh.t())
-        return out, hn
+        return (out, hn) if return_lse else out
 
     # FlashInfer's deprecated forward() / forward_return_lse() are defined per wrapper: their arguments differ
 
@@ -698,10 +797,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
-        if jit_args is not None:
-            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, **unsupported_kwargs):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, unsupported_kwargs)
         self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=paged_kv_indptr_buf,
                                  kv_indices=paged_kv_indices_buf, last_page_len=paged_kv_last_page_len_buf,
                                  mask=custom_mask_buf, mask_indptr=mask_indptr_buf)
@@ -742,16 +839,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             graph_max_qo=self._graph_max_qo, tree_mask=tree_mask, held=self._held, batch_invariant=batch_invariant)
         self._commit(plan)
 
-    def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
-            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None,
-            **unsupported_kwargs):
+    def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
+            scale_v=None, out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            window_left=None, **unsupported_kwargs):
         """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
-        plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as."""
+        plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as; q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
+        if args:  # FlashInfer 0.7 takes fp8 descales by position here
+            _positional_run_args(entry, "q, paged_kv_cache")
+        if q_scale is not None:
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
-            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh, ret: self.run(
                 q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k,
-                scale_v=scale_v, out=out, lse=nh, return_lse=return_lse, window_left=window_left,
+                scale_v=scale_v, out=out, lse=nh, return_lse=ret, window_left=window_left,
                 **unsupported_kwargs))
         if unsupported_kwargs or window_left is not None:
             _run_extras(entry, self._plan, window_left, unsupported_kwargs)
@@ -771,6 +873,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                 if t.dim() != 4 or tuple(t.shape[1:]) != want:
                     policy.refuse(entry, f"{name} cache has shape {tuple(t.shape)}; the plan ({self._kv_layout}) "
                                          f"expects [num_pages, {', '.join(map(str, want))}].")
+            policy.check_same_pages(entry, k, v)
             if plan.max_page >= k.shape[0]:
                 policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
                                      f"{k.shape[0]} pages.")
@@ -797,10 +900,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     _entry = "BatchPrefillWithRaggedKVCacheWrapper"
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
-                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend)
-        if jit_args is not None:
-            policy.unsupported(self._entry, "jit_args is not served; kernels are compiled by Triton.")
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None,
+                 **unsupported_kwargs):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, unsupported_kwargs)
         self._caller_bufs = dict(qo_indptr=qo_indptr_buf, kv_indptr=kv_indptr_buf, mask=custom_mask_buf,
                                  mask_indptr=mask_indptr_buf)
 
@@ -825,21 +927,28 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             batch_invariant=batch_invariant)
         self._commit(plan)
 
-    def run(self, q, k, v, *, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None, out=None,
-            lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, **unsupported_kwargs):
-        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; lse_base / lse_layout: _lse_as."""
+    def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
+            out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+            **unsupported_kwargs):
+        """enable_pdl (FlashInfer's launch hint) is accepted and not needed; lse_base / lse_layout: _lse_as;
+        q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
+        if args:
+            _positional_run_args(entry, "q, k, v")
+        if q_scale is not None:
+            k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
+                                          scale_q is not None or scale_k is not None or scale_v is not None)
         if lse_base != "log2" or lse_layout != "NH":
-            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh: self.run(
+            return self._lse_as(entry, lse_base, lse_layout, return_lse, lse, lambda nh, ret: self.run(
                 q, k, v, k_scale=k_scale, v_scale=v_scale, scale_q=scale_q, scale_k=scale_k, scale_v=scale_v,
-                out=out, lse=nh, return_lse=return_lse, **unsupported_kwargs))
+                out=out, lse=nh, return_lse=ret, **unsupported_kwargs))
         if unsupported_kwargs:
             _run_extras(entry, self._plan, None, unsupported_kwargs)
         descales = self._descales(entry, scale_q, scale_k, scale_v, k_scale, v_scale)
         plan = self._plan
         if plan is not None and _plain_ragged_run(plan, q, k, v, out, self._kv_layout):
             return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales, checked=True)
-        policy.check_same_kv_dtype(entry, k, v)
+        policy.check_kv_pair(entry, k, v)
         if plan is not None:
             total_kv = plan.total_kv
             want = (total_kv, plan.num_kv_heads, plan.head_dim) if self._kv_layout == "NHD" else \
@@ -881,7 +990,8 @@ def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, l
     causal = causal and not plan.has_mask  # a custom mask overrides causal, as at plan()
     if causal and not plan.causal:
         policy.check_causal_lengths(entry, np.diff(plan.qo_indptr_host.numpy()), plan.kv_lens_host.numpy())
-    fields = dict(causal=causal, window_left=window_left, soft_cap=float(logits_soft_cap or 0.0), rope=rope,
+    fields = dict(causal=causal, window_left=policy.window(window_left), soft_cap=float(logits_soft_cap or 0.0),
+                  rope=rope,
                   sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(plan.head_dim),
                   log2_theta=math.log2(rope_theta if rope_theta is not None else 1e4),
                   rcp_scale=1.0 / (rope_scale if rope_scale is not None else 1.0))
@@ -892,20 +1002,24 @@ def _plan_with(entry: str, plan: Plan, causal, pos_encoding_mode, window_left, l
 
 
 def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
-    """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs."""
-    if kwargs:
-        policy.unsupported(entry, f"run() argument(s) {', '.join(sorted(kwargs))} are not served.")
-    if window_left is not None and plan is not None and window_left != plan.window_left:
+    """run()'s keywords beyond ours (FlashInfer's later ones): refused with a sentence, before anything runs, but
+    at their no-op values (policy.extra_kwargs)."""
+    policy.extra_kwargs(entry, kwargs, "run() argument(s)")
+    if window_left is not None and plan is not None and policy.window(window_left) != plan.window_left:
         policy.refuse(entry, f"window_left={window_left!r} given to run() differs from the plan's "
                              f"{plan.window_left}; pass it to plan().")
+
+
+def _positional_run_args(entry: str, tensors: str) -> None:
+    policy.unsupported(entry, f"run() takes {tensors} by position and the rest by keyword (FlashInfer 0.7's "
+                              f"positional fp8 descales included: pass scale_q=, scale_k=, scale_v=).")
 
 
 def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None:
     if positional_rest:  # FlashInfer's later arguments (prefix_len_ptr, ...) in this place are not ours
         policy.refuse(entry, f"plan() got {len(positional_rest)} arguments after non_blocking by position; pass them "
                              f"by keyword.")
-    if kwargs:
-        policy.unsupported(entry, f"argument(s) {', '.join(sorted(kwargs))} are not served.")
+    policy.extra_kwargs(entry, kwargs)
 
 
 def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
@@ -916,7 +1030,7 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             policy.refuse(entry, f"{name} must be a 3-D tensor, got "
                                  f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
-    policy.check_same_kv_dtype(entry, k, v)
+    policy.check_kv_pair(entry, k, v)
     if k.shape != v.shape:
         policy.refuse(entry, f"k has shape {tuple(k.shape)} but v has shape {tuple(v.shape)}.")
     kv_len, num_kv_heads = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
@@ -925,9 +1039,9 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
     policy.check_same_device(entry, q.device, k=k, v=v)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(q.new_empty(0, dtype=torch.uint8), kv_layout, backend=backend)
     wrapper._entry = entry
-    mask = custom_mask.reshape(-1) if custom_mask is not None else None
+    # a [qo_len, kv_len] mask goes as it is: the plan checks its shape (a transposed one has the same numel)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
-                 q.shape[1], num_kv_heads, q.shape[2], custom_mask=mask, packed_custom_mask=packed_custom_mask,
+                 q.shape[1], num_kv_heads, q.shape[2], custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                  causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
                  q_data_type=q.dtype, kv_data_type=k.dtype, o_data_type=o_dtype)
@@ -940,7 +1054,7 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
                                  kv_layout="NHD", pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
                                  window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
                                  backend="auto", return_lse=False, k_scale=None, v_scale=None, scale_q=None,
-                                 scale_k=None, scale_v=None, o_dtype=None):
+                                 scale_k=None, scale_v=None, o_dtype=None, **unsupported_kwargs):
     """Attention of one request: q [qo_len, Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND). The
     arguments after v come by keyword: FlashInfer 0.7 put scale_q, scale_k, scale_v, o_dtype where 0.2 had
     custom_mask, packed_custom_mask, causal."""
@@ -948,12 +1062,13 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
         policy.refuse("single_prefill_with_kv_cache", f"got {len(positional_rest)} arguments after v by position; "
                                                       f"pass them by keyword (their order differs between "
                                                       f"FlashInfer releases).")
+    policy.extra_kwargs("single_prefill_with_kv_cache", unsupported_kwargs)
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,
                            v_scale, "single_prefill_with_kv_cache", o_dtype, (scale_q, scale_k, scale_v))
 
 
-def single_prefill_with_kv_cache_return_lse(q, k, v, **kwargs):
+def single_prefill_with_kv_cache_return_lse(q, k, v, *positional_rest, **kwargs):
     """single_prefill_with_kv_cache with return_lse=True: returns (out, lse), lse in base 2."""
     kwargs["return_lse"] = True
-    return single_prefill_with_kv_cache(q, k, v, **kwargs)
+    return single_prefill_with_kv_cache(q, k, v, *positional_rest, **kwargs)

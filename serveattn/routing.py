@@ -490,8 +490,15 @@ def crossover_batch_invariant(declined: str) -> str:
 # ---------------------------------------------------------------- capability (plain arguments)
 
 def torch_declines(req: Request) -> Optional[str]:
-    """backend='torch' serves every request policy accepts (float32 math, eager)."""
+    """backend='torch' serves every request policy accepts (float32 math, eager), but a CUDA graph on CUDA."""
+    if req.use_cuda_graph and req.device_type == "cuda":
+        return torch_graph()
     return None
+
+
+def torch_graph() -> str:
+    return ("torch: under use_cuda_graph=True on CUDA the torch route is not served: its per-request loop runs on "
+            "the host, so a captured graph would replay the first plan's shapes; use backend='triton' or 'auto'.")
 
 
 def triton_declines(req: Request) -> Optional[str]:

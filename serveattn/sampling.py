@@ -156,12 +156,23 @@ def _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs, t
     return B, n, V, device
 
 
+def _old_signature(entry, target_probs, third_after, kwargs) -> None:
+    """FlashInfer 0.1's (draft_probs, draft_token_ids, uniform_samples, target_probs): refused by name, not read
+    as today's order (its uniforms would land in target_probs)."""
+    if "uniform_samples" in kwargs or (isinstance(target_probs, torch.Tensor) and target_probs.dim() == 2 and
+                                       isinstance(third_after, torch.Tensor) and third_after.dim() == 3):
+        policy.unsupported(entry, "uniform_samples (FlashInfer 0.1's argument, third by position there) is not "
+                                  "served: pass (draft_probs, draft_token_ids, target_probs, ...) and the random "
+                                  "numbers come from generator, or seed and offset.")
+    policy.extra_kwargs(entry, kwargs)
+
+
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                                target_probs: torch.Tensor,
                                maybe_output_accepted_token_num: Optional[torch.Tensor] = None,
                                maybe_output_emitted_draft_token_num: Optional[torch.Tensor] = None,
                                deterministic: bool = True, generator: Optional[torch.Generator] = None,
-                               seed=None, offset=None, backend: str = "auto"
+                               seed=None, offset=None, backend: str = "auto", **unsupported_kwargs
                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Speculative sampling of a chain of draft tokens per request (FlashInfer's semantics).
 
@@ -181,6 +192,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     (int32 [B]) the counts are added to them in place and they are returned.
     """
     entry = "chain_speculative_sampling"
+    _old_signature(entry, target_probs, maybe_output_accepted_token_num, unsupported_kwargs)
     B, n, V, device = _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs,
                                               "one more position than draft_probs")
     _check_counter(entry, "maybe_output_accepted_token_num", maybe_output_accepted_token_num, B, device)

@@ -92,6 +92,12 @@ def tree_parents_to_mask(parents_list: Sequence, prefix_lens, device="cpu"
     A chain (parents [-1, 0, 1, ...]) gives the bottom-right causal mask.
     """
     entry = "tree_parents_to_mask"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        policy.refuse(entry, f"device={device!r} is not a torch device.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        policy.refuse(entry, f"device={str(device)!r} but CUDA is not available here.")
     parents_list = _parent_arrays(entry, parents_list)
     prefix = _as_list(entry, "prefix_lens", prefix_lens)
     if len(prefix) != len(parents_list):

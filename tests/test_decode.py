@@ -295,8 +295,12 @@ def test_decode_refusals(device):
         w.run(b.q, b.cache, out=torch.empty(b.q.shape, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="k cache has dtype torch.bfloat16 but the plan declared torch.float16"):
         w.run(b.q, b.cache.to(torch.bfloat16))
-    with pytest.raises(NotImplementedError, match="q_scale is not served; an fp8 query takes the descale"):
-        w.run(b.q, b.cache, q_scale=1.0)
+    with pytest.raises(ValueError, match="q_scale=-1.0 must be a positive finite float"):
+        w.run(b.q, b.cache, q_scale=-1.0)
+    with pytest.raises(NotImplementedError, match="q_scale beside a tensor k_scale is not served"):
+        w.run(b.q, b.cache, q_scale=2.0, k_scale=torch.ones(1, device=device))
+    with pytest.raises(ValueError, match="q_scale and scale_q/scale_k/scale_v were both given"):
+        w.run(b.q, b.cache, q_scale=2.0, scale_q=torch.ones(1, device=device))
     with pytest.raises(ValueError, match="q must be a 2-D"):
         serveattn.single_decode_with_kv_cache(b.q, b.cache[:, 0], b.cache[:, 1])
 

@@ -266,8 +266,15 @@ def test_constructor_and_run_refusals(solo_group, monkeypatch):
         cp.run(b.q, b.cache, out=torch.empty(b.q.shape, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"lse has shape \(6, 3\)"):
         cp.run(b.q, b.cache, lse=torch.empty(6, 3), return_lse=True)
-    with pytest.raises(NotImplementedError, match="run\\(\\) takes q, paged_kv_cache and the keywords"):
+    with pytest.raises(NotImplementedError, match="run\\(\\) argument\\(s\\) scale_q are not served"):
         cp.run(b.q, b.cache, scale_q=torch.ones(1))
+    with pytest.raises(NotImplementedError, match="run\\(\\) takes q, paged_kv_cache and the keywords"):
+        cp.run(b.q, b.cache, torch.ones(1))
+    with pytest.raises(ValueError, match="window_left=4 given to run\\(\\) differs from the plan's -1"):
+        cp.run(b.q, b.cache, window_left=4)
+    # FlashInfer's decode run() keywords: q_scale (as k_scale), enable_pdl, window_left=-1, sinks=None
+    assert torch.equal(cp.run(b.q, b.cache, q_scale=2.0, enable_pdl=True, window_left=-1, sinks=None),
+                       cp.run(b.q, b.cache, k_scale=2.0))
     with pytest.raises(ValueError, match="ContextParallelDecode.run: k cache has dtype torch.float16"):
         cp.run(b.q, b.cache.half())
     with pytest.raises(ValueError, match="k has dtype torch.float8_e4m3fn but v has dtype torch.bfloat16"):
@@ -487,3 +494,15 @@ def test_two_ranks_nccl(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA GPUs for 2 NCCL ranks; this machine has {torch.cuda.device_count()}")
     _spawn(2, tmp_path, [([0, 1], list(GPU_CASES))], dist_backend="nccl", device_kind="cuda")
+
+
+def test_plan_binds_by_position_only_through_kv_data_type(solo_group):
+    """As the decode wrapper: FlashInfer's releases order the arguments after kv_data_type differently."""
+    b = _solo_batch(1, (13, 2, 30))
+    cp = ContextParallelDecode(solo_group, torch.empty(1 << 16, dtype=torch.uint8), backend="torch")
+    with pytest.raises(ValueError, match="plan\\(\\) got 6 arguments after page_size by position"):
+        cp.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4, "NONE", -1, None, torch.bfloat16, None,
+                torch.bfloat16)
+    cp.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4, "NONE", -1, None, torch.bfloat16, None,
+            window_right=0)  # a FlashInfer keyword at its no-op value
+    assert cp._plan is not None

@@ -103,6 +103,27 @@ def test_descale_ab(device):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("per_head", ["k", "v", "both"])
+def test_per_head_descales_read_per_kv_head(per_head, backend, device):
+    """A KV head's rows under per-head descales are bitwise its rows under that head's value given per tensor, and
+    a per-head scale_k beside a per-tensor (or absent) scale_v is read head by head, and the other way round (the
+    kernels once read both with one stride: scale_v past its end, or scale_v[0] for every head)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"descale-heads{per_head}".encode()))
+    enc = torch.float8_e4m3fn
+    q8, k8, v8 = (torch.randn(n, h, 64, generator=gen).to(enc).to(device) for n, h in ((12, 8), (30, 2), (30, 2)))
+    heads = torch.tensor([0.5, 2.0], dtype=torch.float32)
+    sq = torch.tensor([0.75], dtype=torch.float32, device=device)
+    sk = heads.to(device) if per_head in ("k", "both") else None
+    sv = (heads * 3).to(device) if per_head in ("v", "both") else None
+    out, lse = _single(q8, k8, v8, sq, sk, sv, backend=backend)
+    for h in range(2):
+        one = lambda s: None if s is None else s[h:h + 1].clone()  # noqa: E731
+        out_h, lse_h = _single(q8, k8, v8, sq, one(sk), one(sv), backend=backend)
+        rows = slice(4 * h, 4 * h + 4)  # GQA 8/2: query heads 4h..4h+3 read KV head h
+        assert torch.equal(out[:, rows], out_h[:, rows]) and torch.equal(lse[:, rows], lse_h[:, rows])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_paged_fp8_attention_and_o_data_type(backend, device):
     gen = torch.Generator().manual_seed(5)
     b = make_paged_batch(gen, qo_lens=[5, 9], kv_lens=[40, 70], num_qo_heads=8, num_kv_heads=2, head_dim=64,
