@@ -29,14 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from compile_probe import disassemble  # noqa: E402  (scripts/, beside this file)
 from sass_loops import loops  # noqa: E402
-from serveattn.kernels.common import widen  # noqa: E402
-
-
-@triton.jit
-def _with_8bit_origin(x, byte):
-    """x itself; `byte` (an 8-bit load) only puts that load in x's backward slice."""
-    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h,r", [x, byte.to(tl.int32)], dtype=x.dtype,
-                                     is_pure=True, pack=1)
+from serveattn.kernels.common import widen, widen_in_operand, with_8bit_origin  # noqa: E402
 
 
 @triton.jit
@@ -46,14 +39,14 @@ def block_loop(Q, K, V, O, N, FP8: tl.constexpr, MODE: tl.constexpr):
     n = tl.arange(0, 64)
     q = tl.load(Q + r[:, None] * 128 + d[None, :])
     if MODE == 1 and not FP8:
-        q = _with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + r[:, None] * 128 + d[None, :]))
+        q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + r[:, None] * 128 + d[None, :]))
     acc = tl.zeros([16, 128], tl.float32)
     m = tl.full([16], -1e30, tl.float32)
     for n0 in range(0, N, 64):
         k = tl.load(K + (n0 + n)[:, None] * 128 + d[None, :])
         v = tl.load(V + (n0 + n)[:, None] * 128 + d[None, :])
         if FP8:
-            k = k.to(tl.float16).to(tl.float32).to(tl.bfloat16) if MODE == 1 else widen(k, tl.bfloat16)
+            k = widen_in_operand(k, tl.bfloat16) if MODE == 1 else widen(k, tl.bfloat16)
             v = widen(v, tl.bfloat16)
         s = tl.dot(q, tl.trans(k))
         m_new = tl.maximum(m, tl.max(s, 1))

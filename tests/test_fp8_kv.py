@@ -192,9 +192,10 @@ def test_widening_through_fp16_and_fp32_is_exact_for_every_code(enc):
     assert bool(((f32.view(torch.int32) & 0xFFFF)[~nan] == 0).all())
 
 
-def _decode_sass(tmp_path, widen_mode: str, kv: str) -> tuple:
-    out = tmp_path / f"{kv}-{widen_mode}"
-    compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6", SERVEATTN_FAST_WIDEN=widen_mode)
+def _decode_sass(tmp_path, widen_mode: str, kv: str, k_operand: str = "0") -> tuple:
+    out = tmp_path / f"{kv}-{widen_mode}-k{k_operand}"
+    compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6", SERVEATTN_FAST_WIDEN=widen_mode,
+                     SERVEATTN_DECODE_K_OPERAND=k_operand)
     return (out / "decode.sass").read_text(), (out / "decode.ptx").read_text()
 
 
@@ -203,7 +204,8 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
     """sm_90 SASS of fp8 decode (CPU): the default widening (SERVEATTN_FAST_WIDEN=3) has no F2F (the quarter-rate
     f16 -> f32 conversion Triton's own path takes) and fewer instructions than the integer path (=1), and the
     product reads its operands as that path's (the same mma.sync and ldmatrix: the same k-slots, so the fp8 run
-    stays bitwise its dequantized run)."""
+    stays bitwise its dequantized run). K_OPERAND=0, where the switch widens both K and V; under the default
+    K_OPERAND=1 K is widened by Triton's conversions in its operand, still without F2F."""
     sass3, ptx3 = _decode_sass(tmp_path, "3", kv)
     sass1, ptx1 = _decode_sass(tmp_path, "1", kv)
     ops = lambda sass, op: len(re.findall(r"\s%s[.\s]" % op, sass))  # noqa: E731
@@ -211,6 +213,32 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
     assert sass3.count(";") < sass1.count(";") * 0.85
     for instr in ("mma.sync", "ldmatrix"):
         assert ptx3.count(instr) == ptx1.count(instr) > 0
+    default, _ = _decode_sass(tmp_path, "3", kv, "1")
+    assert ops(default, "F2F") == 0
+
+
+def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
+    out = tmp_path / f"{kv}-k{k_operand}"
+    compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6",
+                     SERVEATTN_DECODE_K_OPERAND=k_operand)
+    return (out / "decode.ttgir").read_text(), (out / "decode.ptx").read_text()
+
+
+def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
+    """SERVEATTN_DECODE_K_OPERAND=1 (the default, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
+    in q.K^T's operand registers (one bf16 shared buffer fewer: no round trip for K), and the bf16 cache's q.K^T
+    takes the very same operand layouts (kWidth 4 both), so the k-slots, hence the bits, stay the dequantized
+    run's; P.V is untouched (kWidth 2, V still through its round trip)."""
+    dots = lambda ttgir: re.sub(r"%[\w]+|loc\([^)]*\)", "", "\n".join(  # noqa: E731
+        line for line in ttgir.splitlines() if "tt.dot " in line))
+    buffers = lambda ttgir: len(re.findall(r"local_alloc.*x128xbf16", ttgir))  # noqa: E731
+    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1")
+    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1")
+    fp8_off, _ = _decode_ir(tmp_path, "fp8e4nv", "0")
+    assert dots(fp8) == dots(bf16)
+    assert re.findall(r"kWidth = (\d)", dots(fp8)) == ["4", "4", "2", "2"]
+    assert buffers(fp8) == buffers(fp8_off) - 1
+    assert fp8_ptx.count("mma.sync") == bf16_ptx.count("mma.sync") > 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -23,7 +23,7 @@ except (ImportError, AttributeError):
 from . import gather, replay
 from .. import knobs
 from .common import (EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma, narrow,
-                     soft_cap_mode, to_dtype, vt_column, widen)
+                     soft_cap_mode, to_dtype, vt_column, widen, widen_in_operand)
 from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -106,8 +106,12 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr):
+            ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
+            K_IN_OPERAND: tl.constexpr = False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
+
+    K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
+    (widen_in_operand), q coming with the matching layout.
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -150,7 +154,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             k = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(K + k_off[:, None] + d[None, :])
-        k = widen(k, dtype)  # an fp8 cache dequantizes here, exactly; a 16-bit tile is untouched
+        if K_IN_OPERAND and k.dtype.is_fp8():
+            k = widen_in_operand(k, dtype)
+        else:
+            k = widen(k, dtype)  # an fp8 cache dequantizes here, exactly; a 16-bit tile is untouched
         s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf. Near 0 that form cancels

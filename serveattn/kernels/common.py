@@ -73,6 +73,16 @@ def vt_column(n):
 ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
+# SERVEATTN_DECODE_K_OPERAND (on by default since session 31: fp8-KV decode 1.69 -> 1.84x our bf16 at 64x8192 and
+# 128x4096 on the H100, bf16 unchanged; =0 restores the round trip): the bandwidth decode kernel widens an fp8 K tile inside the
+# mma operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
+# load of the fp8 tile, so K skips the bf16 round trip) and gives a 16-bit cache's q.K^T the same operand layout
+# (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and bits. V keeps its
+# round trip. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's K, more issue in both dtypes.
+# Never under the interpreter (its inline asm does not run there).
+_K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "1") == "1"
+K_OPERAND: tl.constexpr = tl.constexpr(_K_OPERAND and not INTERPRET.value)
+
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
@@ -132,6 +142,26 @@ def widen(x, dtype: tl.constexpr):
             return x.to(dtype)
     else:
         return x
+
+
+@triton.jit
+def widen_in_operand(x, dtype: tl.constexpr):
+    """An fp8 tile in dtype by Triton's own conversions (exact: e4m3 / e5m2 -> f16 -> f32 -> bf16, the same 4
+    instructions a pair as _fp8_to_bf16's), which, unlike inline asm, Triton moves past the shared-memory load into
+    the dot operand's layout (kWidth 4): K_OPERAND."""
+    if dtype == tl.bfloat16:
+        return x.to(tl.float16).to(tl.float32).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def with_8bit_origin(x, byte):
+    """x itself; `byte`, an 8-bit load, only joins x's backward slice, where Triton looks for the narrowest load to
+    lay out a dot operand (AccelerateMatmul's computeOrigBitWidth): a 16-bit tile's dot then takes the fp8 tile's
+    kWidth 4, hence its k-slots (K_OPERAND)."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h,r", [x, byte.to(tl.int32)], dtype=x.dtype,
+                                     is_pure=True, pack=1)
 
 
 def _fp8_to_bf16_asm(shift: int, mag: str, scale: str, carry: str, specials: bool = True) -> str:

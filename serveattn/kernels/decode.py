@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, kv_scale_args, kv_strides
-from .common import LAUNCH_OPTIONS, soft_cap_mode, to_dtype
+from .common import K_OPERAND, LAUNCH_OPTIONS, soft_cap_mode, to_dtype, with_8bit_origin
 from .launch import Pack
 from .sizes import next_pow2
 
@@ -122,6 +122,9 @@ def decode_kernel(
         q_tok = req.to(tl.int64) * QLEN + tok  # the row's index in q, out and lse
         q_row = q_tok * stride_qb + head.to(tl.int64) * stride_qh
         q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        if K_OPERAND and not K.dtype.element_ty.is_fp8():  # q.K^T on the fp8 tile's k-slots (common.K_OPERAND)
+            q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
+                                            mask=row_ok[:, None], other=0))
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -131,7 +134,7 @@ def decode_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False, False)
+                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
