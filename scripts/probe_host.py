@@ -134,7 +134,8 @@ def main():
                                                                     done_count=w._done_count))
                 print(f"    bare decode_kernel.launch (+merge: {bool(p.num_slots)}): {launch_us:.1f} us")
                 if batch == 256:  # the staging step alone, and the CUDA calls it is made of
-                    arrays = {n: t.cpu() for n, t in (("work", p.work), ("num_work", p.num_work),
+                    # the plan's own arrays are host numpy (tensors before session 30)
+                    arrays = {n: torch.as_tensor(t).cpu() for n, t in (("work", p.work), ("num_work", p.num_work),
                                                       ("req_first_slot", p.req_first_slot),
                                                       ("req_num_slots", p.req_num_slots), ("kv_indptr", indptr),
                                                       ("kv_indices", indices), ("last_page_len", last))}
