@@ -204,8 +204,8 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
     """sm_90 SASS of fp8 decode (CPU): the default widening (SERVEATTN_FAST_WIDEN=3) has no F2F (the quarter-rate
     f16 -> f32 conversion Triton's own path takes) and fewer instructions than the integer path (=1), and the
     product reads its operands as that path's (the same mma.sync and ldmatrix: the same k-slots, so the fp8 run
-    stays bitwise its dequantized run). K_OPERAND=0, where the switch widens both K and V; under the default
-    K_OPERAND=1 K is widened by Triton's conversions in its operand, still without F2F."""
+    stays bitwise its dequantized run). K_OPERAND=0, where the switch widens both K and V; under K_OPERAND=1 K is
+    widened by Triton's conversions in its operand, still without F2F."""
     sass3, ptx3 = _decode_sass(tmp_path, "3", kv)
     sass1, ptx1 = _decode_sass(tmp_path, "1", kv)
     ops = lambda sass, op: len(re.findall(r"\s%s[.\s]" % op, sass))  # noqa: E731
@@ -225,7 +225,7 @@ def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
 
 
 def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
-    """SERVEATTN_DECODE_K_OPERAND=1 (the default, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
+    """SERVEATTN_DECODE_K_OPERAND=1 (measuring, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
     in q.K^T's operand registers (one bf16 shared buffer fewer: no round trip for K), and the bf16 cache's q.K^T
     takes the very same operand layouts (kWidth 4 both), so the k-slots, hence the bits, stay the dequantized
     run's; P.V is untouched (kWidth 2, V still through its round trip)."""
