@@ -24,7 +24,7 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
 from .prefill import single_prefill_with_kv_cache, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -413,10 +413,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                  f"but the first run() had q of {self._graph_q_rows} (the q a captured graph "
                                  f"reads: capture with q of the largest batch).")
         for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
-            size = staging.size(getattr(plan, name))
-            if size > bufs.caps[name]:
-                policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its "
-                                     f"{name} buffer, which holds {bufs.caps[name]} ({_GRAPH_BUFFER_SOURCE[name]}).")
+            check_capacity(entry, name, staging.size(getattr(plan, name)), bufs.caps[name], _GRAPH_BUFFER_SOURCE[name])
         # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
         arrays = {n: getattr(plan, n) for n in names}
         if "req_num_slots" in arrays:

@@ -449,6 +449,11 @@ def _mask_indptr(qo_lens, kv_lens):
     return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(qo_lens * kv_lens, 0)]).to(torch.int32)
 
 
+def packed_segment_bytes(qo_lens, kv_lens):
+    """A packed mask's bytes per request: its qo_len * kv_len bits padded to a whole byte (segment_packbits)."""
+    return (qo_lens * kv_lens + 7) // 8
+
+
 def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> torch.Tensor:
     """Returns the flat bool mask on the host (a packed mask is unpacked once, here)."""
     bits = int((qo_lens * kv_lens).sum())
@@ -471,10 +476,11 @@ def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> tor
         return custom_mask.reshape(-1).to("cpu")
     if packed_custom_mask.dtype != torch.uint8:
         policy.refuse(entry, f"packed_custom_mask has dtype {packed_custom_mask.dtype}; it must be uint8.")
-    seg_bytes = (qo_lens * kv_lens + 7) // 8
-    if packed_custom_mask.numel() != int(seg_bytes.sum()):
+    seg_bytes = packed_segment_bytes(qo_lens, kv_lens)
+    need = int(seg_bytes.sum())
+    if packed_custom_mask.numel() != need:
         policy.refuse(entry, f"packed_custom_mask has {packed_custom_mask.numel()} bytes; per-request "
-                             f"segments padded to whole bytes need {int(seg_bytes.sum())}.")
+                             f"segments padded to whole bytes need {need}.")
     packed = packed_custom_mask.reshape(-1).to("cpu")
     # Unpack each request's byte-padded segment and drop its pad bits.
     unpacked = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
@@ -652,13 +658,15 @@ def _check_capacities(entry: str, plan: Plan, caps: dict) -> None:
     for name in _ARRAYS:
         t = getattr(plan, name)
         if t is not None:
-            _check_capacity(entry, name, staging.size(t), caps[name])
+            check_capacity(entry, name, staging.size(t), caps[name])
 
 
-def _check_capacity(entry: str, name: str, size: int, cap: int) -> None:
+def check_capacity(entry: str, name: str, size: int, cap: int, source: Optional[str] = None) -> None:
+    """A captured buffer must hold the re-plan's array (source: what sized the buffer, where the wrapper knows)."""
     if size > cap:
+        how = f" ({source})." if source else "; give larger buffers (or workspace) at construction."
         policy.refuse(entry, f"under use_cuda_graph=True the plan needs {size} entries in its {name} buffer, "
-                             f"which holds {cap}; give larger buffers (or workspace) at construction.")
+                             f"which holds {cap}{how}")
 
 
 def _torch_sizes(plan: Plan) -> dict:
@@ -668,7 +676,7 @@ def _torch_sizes(plan: Plan) -> dict:
         sizes.update(kv_indices=plan.kv_indices_host.numel(), last_page_len=plan.batch)
     if plan.has_mask:
         qo_lens = plan.qo_indptr_host[1:] - plan.qo_indptr_host[:-1]
-        sizes.update(mask=int(((qo_lens * plan.kv_lens_host + 7) // 8).sum()), mask_indptr=plan.batch + 1)
+        sizes.update(mask=int(packed_segment_bytes(qo_lens, plan.kv_lens_host).sum()), mask_indptr=plan.batch + 1)
     return sizes
 
 
@@ -829,7 +837,7 @@ class _PrefillWrapper(WorkspaceAccessors):
             caps = {n: self._caller_bufs[n].numel() if self._caller_bufs.get(n) is not None else size
                     for n, size in sizes.items()}
         for name, size in sizes.items():
-            _check_capacity(entry, name, size, caps.get(name, size))
+            check_capacity(entry, name, size, caps.get(name, size))
         return caps
 
     def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
