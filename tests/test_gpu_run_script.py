@@ -17,3 +17,22 @@ def test_unknown_step_stops_before_any_step(tmp_path):
     listed = set(run.stderr.split("steps are:")[1].split())
     defined = {name.replace("_", "-") for name in re.findall(r"^step_(\w+)\(\)", open(SCRIPT).read(), re.M)}
     assert defined - {"bench"} <= listed and "bench" not in listed
+
+
+def _junit(tmp_path, failures):
+    cases = "".join(f'<testcase classname="tests.test_x" name="test_{i}[a-b]">'
+                    + (f'<failure message="{m}">trace</failure>' if m else "") + "</testcase>"
+                    for i, m in enumerate(failures))
+    path = tmp_path / "junit.xml"
+    path.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
+    return subprocess.run(["python3", os.path.join(ROOT, "scripts", "oom_failures.py"), str(path)],
+                          capture_output=True, text=True, timeout=60).stdout.split()
+
+
+def test_tests_step_reruns_only_out_of_memory_failures(tmp_path):
+    """scripts/oom_failures.py, which the tests step asks: the failed ids only when every failure ran out of CUDA
+    memory (an H100's 78 GiB under 16 workers); any other failure, or none, and nothing is rerun."""
+    oom = "torch.OutOfMemoryError: CUDA out of memory"
+    assert _junit(tmp_path, [oom, None, oom]) == ["tests/test_x.py::test_0[a-b]", "tests/test_x.py::test_2[a-b]"]
+    assert _junit(tmp_path, [oom, "AssertionError: assert 0 > 0"]) == []
+    assert _junit(tmp_path, [None, None]) == []
