@@ -622,15 +622,19 @@ def _grid_programs(device) -> int:
 
 
 def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) -> int:
-    return workspace.numel() * workspace.element_size() // (4 * num_qo_heads * (head_dim + 1))
+    return policy.workspace_room(workspace) // (4 * num_qo_heads * (head_dim + 1))
 
 
 def _check_partials_room(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int,
                          head_dim: int) -> int:
-    """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's bytes."""
-    have = workspace.numel() * workspace.element_size()
+    """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's usable bytes
+    (policy.workspace_room)."""
+    have = policy.workspace_room(workspace)
     need = 4 * num_slots * num_qo_heads * (head_dim + 1)
     if need > have:
+        if not have and workspace.numel():
+            policy.refuse(entry, f"float_workspace_buffer cannot hold this plan's split-KV partial states ({need} "
+                                 f"bytes): {policy.WORKSPACE_ROOM_HINT}; or pass disable_split_kv=True.")
         policy.refuse(entry, f"float_workspace_buffer holds {have} bytes but this plan's split-KV partial states "
                              f"need {need} bytes; pass a larger workspace (or disable_split_kv=True).")
     return have
@@ -642,13 +646,12 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
     The layout depends only on the workspace size and the heads, never on this plan's slot count, so a
     captured CUDA graph keeps pointing at the right places after any re-plan."""
     have = _check_partials_room(entry, workspace, num_slots, num_qo_heads, head_dim)
-    if not workspace.is_contiguous():
-        policy.refuse(entry, "float_workspace_buffer must be contiguous.")
-    flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)
-    floats = flat[: have // 4 * 4].view(torch.float32)
     cap = _slot_capacity(workspace, num_qo_heads, head_dim)
     if cap == 0:  # nothing can be split (and nothing is): the kernels never touch these
-        return dict(part_o=floats[:1], part_lse=floats[:1])
+        unused = torch.empty(1, dtype=torch.float32, device=workspace.device)
+        return dict(part_o=unused, part_lse=unused)
+    flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)
+    floats = flat[: have // 4 * 4].view(torch.float32)
     width = cap * num_qo_heads
     return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
                 part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))
