@@ -300,7 +300,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-                                       q_len_per_req, tree, (fixed_split_size, disable_split_kv))
+                                       q_len_per_req, tree, (fixed_split_size, disable_split_kv), batch_invariant)
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -332,7 +332,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                               kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1,
-                              tree=None, split=(None, False)):
+                              tree=None, split=(None, False), batch_invariant=False):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
         tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
@@ -365,11 +365,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             wrapper._graph_max_qo = max_rows
             wrapper._graph_split_kv = True  # under CUDA graphs: few long requests split as eager plans do
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
+        if not self._use_cuda_graph:  # the plan's bound on its rows (batch-invariant tiles); fixed under graphs
+            wrapper._graph_max_qo = max_rows
         wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                            o_data_type=o_data_type, tree_mask=tree_mask, split=split)
+                            o_data_type=o_data_type, tree_mask=tree_mask, split=split,
+                            batch_invariant=batch_invariant)
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req

@@ -287,8 +287,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     split: (fixed_split_size, disable_split_kv) as plan() took them.
     batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
     tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
-    any others (tile rows and warps change the tensor-core instructions). The decode wrapper's requests all have
-    q_len_per_req rows: its tiles never follow the batch."""
+    any others (tile rows and warps change the tensor-core instructions). The decode wrapper's chains all have
+    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -356,7 +356,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
     max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
-    max_qo = graph_max_qo if graph_tiles else None if batch_invariant else max_qo_len if batch else 1
+    # batch-invariant: the decode wrapper's bound on its rows (a tree's 64 nodes) where it gives one, else any length
+    max_qo = graph_max_qo if graph_tiles or (batch_invariant and graph_max_qo is not None) else \
+        None if batch_invariant else max_qo_len if batch else 1
     if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
                              f"per request; the plan has {max_qo_len}.")
