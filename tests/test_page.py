@@ -105,6 +105,30 @@ def test_append_odd_head_dim_and_strided_keys(backend, device):
     assert torch.equal(on_device[4].cpu(), want)
 
 
+@pytest.mark.parametrize("strided", ["batch_indices", "positions", "kv_indices", "kv_indptr"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_reads_strided_index_tensors(strided, backend, device):
+    """An index tensor that is a strided view (a column of a table, x[::2]) holding the same values: the same
+    cache as with contiguous indices (the Triton kernel reads them at unit stride, so they are copied first)."""
+    g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(5, 4, [2, 9], [6, 3])
+    cache = torch.randn(num_pages, 2, 4, 3, 64, generator=g).half()
+    seq_lens = page.get_seq_lens(kv_indptr, last, 4)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, seq_lens, 9)
+    key, value = torch.randn(2, 9, 3, 64, generator=g).half()
+    index = dict(batch_indices=batch_indices, positions=positions, kv_indices=kv_indices, kv_indptr=kv_indptr)
+    want = reference.append_paged_kv_cache(key, value, batch_indices, positions, cache, kv_indices, kv_indptr, last)
+    wide = torch.full((2 * index[strided].numel(),), 1, dtype=torch.int32)  # the gaps: valid-looking ints
+    wide[::2] = index[strided]
+    index[strided] = wide[::2]
+    assert not index[strided].is_contiguous()
+    on_device = {n: t.to(device) for n, t in index.items()}
+    on_device[strided] = wide.to(device)[::2]
+    got = cache.to(device)
+    page.append_paged_kv_cache(key.to(device), value.to(device), on_device["batch_indices"], on_device["positions"],
+                               got, on_device["kv_indices"], on_device["kv_indptr"], last.to(device), backend=backend)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_append_nothing_and_auto_backend():
     g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(6, 16, [4], [0])
     cache = torch.randn(num_pages, 2, 16, 2, 64, generator=g).half()
