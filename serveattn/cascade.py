@@ -162,7 +162,9 @@ class MultiLevelCascadeAttentionWrapper:
     Level i has its own qo_indptr and page table: query rows qo_indptr[i][j]:qo_indptr[i][j+1] attend to
     that level's j-th KV segment. Every level must cover the same query rows. Each level runs as a
     `BatchPrefillWithPagedKVCacheWrapper`; `causal` applies to the last level only (as in FlashInfer),
-    where bottom-right alignment makes it equal to causal attention over the concatenated KV.
+    where bottom-right alignment makes it equal to causal attention over the concatenated KV. A window
+    (window_left >= 0) or RoPE over several levels is refused: each level would count positions from its own
+    first key (FlashInfer's wrapper computes that silently).
     """
     _entry = "MultiLevelCascadeAttentionWrapper"
 
@@ -241,6 +243,19 @@ class MultiLevelCascadeAttentionWrapper:
                 got = f"{len(arr)} entries" if isinstance(arr, (list, tuple)) else f"a {type(arr).__name__}"
                 policy.refuse(entry, f"{name} has {got} but the wrapper was built with num_levels="
                                      f"{self._num_levels}; pass a list with one tensor per level.")
+        if self._num_levels > 1:
+            # a level sees only its own keys: a window or RoPE positions would count from the level's first key,
+            # not the concatenated KV's (FlashInfer's wrapper computes that silently)
+            if policy.is_int(window_left) and window_left >= 0:
+                policy.unsupported(entry, f"window_left={window_left} with num_levels={self._num_levels} is not "
+                                          f"served: each level would measure the window from its own keys, not "
+                                          f"the concatenated KV's; use one level (a paged prefill over the whole "
+                                          f"KV) or window_left=-1.")
+            if pos_encoding_mode == "ROPE_LLAMA":
+                policy.unsupported(entry, f"pos_encoding_mode='ROPE_LLAMA' with num_levels={self._num_levels} is "
+                                          f"not served: each level would rotate by positions within its own keys, "
+                                          f"not the concatenated KV's; apply RoPE to q and K before appending "
+                                          f"(pos_encoding_mode='NONE').")
         # Every level is validated (and its schedule built) before any level is installed.
         last = self._num_levels - 1
         plans = [make_plan(

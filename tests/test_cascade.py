@@ -385,6 +385,12 @@ def test_cascade_refusals(device):
         w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 96, 4)
     with pytest.raises(ValueError, match=r"\(level 1\): paged_kv_indptr has dtype torch.int64"):
         w.plan(arr["qo"], [arr["indptr"][0], arr["indptr"][1].long()], arr["indices"], arr["last"], 4, 2, 64, 4)
+    # a level sees only its own keys: a window or RoPE positions would not count from the concatenated KV's
+    with pytest.raises(NotImplementedError, match=r"window_left=8 with num_levels=2 is not served: each level would "
+                                                  r"measure the window from its own keys"):
+        w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, window_left=8)
+    with pytest.raises(NotImplementedError, match=r"pos_encoding_mode='ROPE_LLAMA' with num_levels=2 is not served"):
+        w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, pos_encoding_mode="ROPE_LLAMA")
     w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4)
     with pytest.raises(ValueError, match=r"q has shape \(5, 4, 64\); expected \(6, 4, 64\)"):
         w.run(q[:5], b.cache)
