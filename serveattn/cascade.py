@@ -83,12 +83,13 @@ def _merge_two(backend: str, v_a, s_a, v_b, s_b, v_out, s_out, keep=None) -> Non
         merge_kernel.merge_two(v_a, s_a, v_b, s_b, v_out, s_out, keep)
         return
     v, s = _merge_torch(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1))
-    if keep is not None:
-        rows = keep.bool()
-        v = torch.where(rows[:, None, None], v, v_out)  # rows left out keep their own values
-        s = torch.where(rows[:, None], s, s_out)
-    v_out.copy_(v)
-    s_out.copy_(s)
+    if keep is None:
+        v_out.copy_(v)
+        s_out.copy_(s)
+        return
+    rows = keep.bool()  # only these rows are written: the others keep their bits (a NaN's payload included)
+    v_out[rows] = v[rows].to(v_out.dtype)
+    s_out[rows] = s[rows]
 
 
 # ---------------------------------------------------------------- merge entry points
@@ -111,6 +112,17 @@ def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = 
     is true (nonzero) change."""
     entry = "merge_state_in_place"
     _check_pair(entry, ("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    # v and s are written row by row while v_other and s_other are read: another view of the same memory would
+    # read rows already merged (the very same view, a state merged with itself, reads each row before writing it)
+    for out_name, out in (("v", v), ("s", s)):
+        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+            policy.refuse(entry, f"{out_name} is an expanded view (a zero stride); it is written in place, so each "
+                                 f"row must have memory of its own.")
+        for in_name, t in (("v_other", v_other), ("s_other", s_other)):
+            same_view = t.data_ptr() == out.data_ptr() and t.stride() == out.stride() and t.shape == out.shape
+            if not same_view and policy.overlaps(out, t):
+                policy.refuse(entry, f"{in_name} overlaps {out_name}, which is written in place; pass them in "
+                                     f"separate memory.")
     keep = None
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (v.shape[0],):
