@@ -532,3 +532,15 @@ def test_append_cuda_cache_beyond_2_pow_31_elements():
     assert torch.equal(cache[num_pages - 3, 1, 2], value[1])
     assert torch.equal(cache[num_pages - 1, 1, 0], value[2])
     assert int((cache[-4:] != 7.0).any(-1).sum()) == 3 * 2 * heads
+
+
+def test_append_refusal_names_the_index_past_padding():
+    """A position outside its request's pages behind a padding token (request -1): the sentence names the entry's
+    own index in positions (host tensors: the value checks run on CPU inputs)."""
+    i32 = dict(dtype=torch.int32)
+    cache = torch.zeros(6, 2, 4, 2, 64, dtype=torch.float16)
+    key = torch.randn(2, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"positions\[1\]=99 for request 0, which owns 2 pages"):
+        page.append_paged_kv_cache(key, key, torch.tensor([-1, 0], **i32), torch.tensor([0, 99], **i32), cache,
+                                   torch.tensor([4, 1, 2], **i32), torch.tensor([0, 2, 3], **i32),
+                                   torch.tensor([2, 4], **i32), backend="torch")
