@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import single_prefill_with_kv_cache, split_paged_cache
+from .prefill import _single_prefill, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -712,10 +712,9 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
         return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
                                         v_scale, return_lse)
-    res = single_prefill_with_kv_cache(q[None], k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
-                                       sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                       rope_scale=rope_scale, rope_theta=rope_theta, backend=backend,
-                                       return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    # one query row through single prefill, its refusals named after this entry
+    res = _single_prefill(q[None], k, v, None, None, False, kv_layout, pos_encoding_mode, sm_scale, window_left,
+                          logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale, entry)
     return (res[0][0], res[1][0]) if return_lse else res[0]
 
 

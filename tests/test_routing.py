@@ -445,12 +445,13 @@ def test_single_decode_use_tensor_cores_true_is_a_hint_under_auto(fake_gpu, monk
     fake_gpu(sms=2)
     monkeypatch.setattr(decode_mod.backends, "resolve", lambda entry, backend, device: "triton")
     taken = []
-    bandwidth, prefill = decode_mod._single_decode_bandwidth, decode_mod.single_prefill_with_kv_cache
+    bandwidth, prefill = decode_mod._single_decode_bandwidth, decode_mod._single_prefill
     monkeypatch.setattr(decode_mod, "_single_decode_bandwidth",
                         lambda *a, **k: taken.append("bandwidth") or bandwidth(*a, **k))
-    # the prefill family on CPU tensors: its kernel through the interpreter (auto would take torch there)
-    monkeypatch.setattr(decode_mod, "single_prefill_with_kv_cache",
-                        lambda *a, **k: taken.append("tensor-core") or prefill(*a, **{**k, "backend": "triton"}))
+    # the prefill family on CPU tensors: its kernel through the interpreter (auto would take torch there);
+    # _single_prefill's 14th argument is the backend
+    monkeypatch.setattr(decode_mod, "_single_prefill",
+                        lambda *a: taken.append("tensor-core") or prefill(*a[:13], "triton", *a[14:]))
     gen = torch.Generator().manual_seed(3)
     for head_dim, kw, route in ((128, {}, "bandwidth"),  # measured (bf16, 128, group 4): the table's kernel
                                 (64, {}, "tensor-core"),  # unmeasured: the hint is taken
