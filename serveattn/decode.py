@@ -304,6 +304,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
+        if pos_encoding_mode == "ROPE_LLAMA":  # reached where the route is held (auto under CUDA graphs)
+            policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only, and "
+                                      "this wrapper's route is the bandwidth kernel (under use_cuda_graph=True its "
+                                      "first plan's); apply RoPE before the call, or build a wrapper for RoPE plans.")
         kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size)
         if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
             policy.check_causal_lengths(entry, np.full(kv_lens.size, q_len_per_req), kv_lens)
@@ -313,7 +317,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_start=ip[:-1],
                                 kv_indices=indices,
                                 last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
-                                batch_cap=self._graph_cap)
+                                batch_cap=self._graph_cap, workspace=self._workspace)
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -556,9 +560,11 @@ def _plan_with(entry, plan: DecodePlan, pos_encoding_mode, window_left, logits_s
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
                      disable_split_kv, kv_indptr, kv_start, kv_indices=None, last_page_len=None, max_page=-1,
-                     q_len=1, batch_cap=None) -> DecodePlan:
+                     q_len=1, batch_cap=None, workspace=None) -> DecodePlan:
     """Host validation and the split-KV schedule (kv_lens, kv_start: numpy, each request's KV length and first
-    page, or first token); kv_indices None means contiguous (unpaged) K/V."""
+    page, or first token); kv_indices None means contiguous (unpaged) K/V. workspace: where a split the plan
+    chose itself needs more partial-state slots than it holds, the plan stays unsplit (a fixed_split_size that
+    needs more is refused when installed)."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -568,6 +574,10 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
                          batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
+    if chunk is not None and fixed_split_size is None and workspace is not None and \
+            total_slots * q_len > _slot_capacity(workspace, num_qo_heads, head_dim):
+        chunk = None
+        work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size,
