@@ -281,8 +281,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
         fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv)
-        if data_type is not None and kv_data_type is None:  # FlashInfer's older name
-            kv_data_type = data_type
+        if data_type is not None:  # FlashInfer's older name, for whichever of the two was not given
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+            q_data_type = data_type if q_data_type is None else q_data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
         # request and trees run on the tensor-core route whatever it says: the bandwidth kernel serves one row);
         # under auto the measured crossover chooses between the kernels, use_tensor_cores=True included (a hint
