@@ -383,9 +383,14 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
-        # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
-        # split items (split or not: the captured kernel is the split one)
-        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
+        # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv) and the
+        # warp-specialized kernel would not take the plan (chain verify k=64 ran 1.7x slower on split items than on
+        # it, session 31), or where fixed_split_size asks for chunks (batch invariance: the eager plan's bits): its
+        # every plan keeps split items (split or not: the captured kernel is the split one). That kernel's answer
+        # rests on what a graph wrapper holds fixed (dtypes, tiles sized for its rows, page size, flags), so all
+        # its plans answer alike.
+        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or (
+            graph_split_kv and (split[0] is not None or not _warp_specialized(plan, kv_lens, True))))
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
                             warp_specialized=lambda: _warp_specialized(plan, kv_lens, graph_tiles)) \
             if items else None
