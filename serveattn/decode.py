@@ -300,7 +300,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._plan_through_prefill(entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                                        head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
-                                       q_len_per_req, tree, (fixed_split_size, disable_split_kv))
+                                       q_len_per_req, tree, (fixed_split_size, disable_split_kv), batch_invariant)
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -332,7 +332,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     def _plan_through_prefill(self, entry, route, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                               head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                               kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta, q_len_per_req=1,
-                              tree=None, split=(None, False)):
+                              tree=None, split=(None, False), batch_invariant=False):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
         tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
@@ -365,11 +365,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             wrapper._graph_max_qo = max_rows
             wrapper._graph_split_kv = True  # under CUDA graphs: few long requests split as eager plans do
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
+        if not self._use_cuda_graph:  # the plan's bound on its rows (batch-invariant tiles); fixed under graphs
+            wrapper._graph_max_qo = max_rows
         wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                            o_data_type=o_data_type, tree_mask=tree_mask, split=split)
+                            o_data_type=o_data_type, tree_mask=tree_mask, split=split,
+                            batch_invariant=batch_invariant)
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req
@@ -622,15 +625,19 @@ def _grid_programs(device) -> int:
 
 
 def _slot_capacity(workspace: torch.Tensor, num_qo_heads: int, head_dim: int) -> int:
-    return workspace.numel() * workspace.element_size() // (4 * num_qo_heads * (head_dim + 1))
+    return policy.workspace_room(workspace) // (4 * num_qo_heads * (head_dim + 1))
 
 
 def _check_partials_room(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads: int,
                          head_dim: int) -> int:
-    """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's bytes."""
-    have = workspace.numel() * workspace.element_size()
+    """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's usable bytes
+    (policy.workspace_room)."""
+    have = policy.workspace_room(workspace)
     need = 4 * num_slots * num_qo_heads * (head_dim + 1)
     if need > have:
+        if not have and workspace.numel():
+            policy.refuse(entry, f"float_workspace_buffer cannot hold this plan's split-KV partial states ({need} "
+                                 f"bytes): {policy.WORKSPACE_ROOM_HINT}; or pass disable_split_kv=True.")
         policy.refuse(entry, f"float_workspace_buffer holds {have} bytes but this plan's split-KV partial states "
                              f"need {need} bytes; pass a larger workspace (or disable_split_kv=True).")
     return have
@@ -642,13 +649,12 @@ def _partials(entry: str, workspace: torch.Tensor, num_slots: int, num_qo_heads:
     The layout depends only on the workspace size and the heads, never on this plan's slot count, so a
     captured CUDA graph keeps pointing at the right places after any re-plan."""
     have = _check_partials_room(entry, workspace, num_slots, num_qo_heads, head_dim)
-    if not workspace.is_contiguous():
-        policy.refuse(entry, "float_workspace_buffer must be contiguous.")
-    flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)
-    floats = flat[: have // 4 * 4].view(torch.float32)
     cap = _slot_capacity(workspace, num_qo_heads, head_dim)
     if cap == 0:  # nothing can be split (and nothing is): the kernels never touch these
-        return dict(part_o=floats[:1], part_lse=floats[:1])
+        unused = torch.empty(1, dtype=torch.float32, device=workspace.device)
+        return dict(part_o=unused, part_lse=unused)
+    flat = workspace.view(-1) if workspace.dtype == torch.uint8 else workspace.view(-1).view(torch.uint8)
+    floats = flat[: have // 4 * 4].view(torch.float32)
     width = cap * num_qo_heads
     return dict(part_o=floats[: width * head_dim].view(cap, num_qo_heads, head_dim),
                 part_lse=floats[width * head_dim: width * (head_dim + 1)].view(cap, num_qo_heads))

@@ -458,6 +458,19 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
     return dq, dk, dv
 
 
+def workspace_room(workspace: torch.Tensor) -> int:
+    """The bytes of a float workspace that split-KV's float32 partial states may use: all of a contiguous buffer
+    starting on a 16-byte boundary (torch.empty's always does), none of any other (a strided view, or a byte
+    slice at an odd offset, which no float32 view can start at)."""
+    if not workspace.is_contiguous() or workspace.data_ptr() % 16:
+        return 0
+    return workspace.numel() * workspace.element_size()
+
+
+WORKSPACE_ROOM_HINT = ("a float workspace must be contiguous and start on a 16-byte boundary (a buffer from "
+                       "torch.empty, or a slice of one at a multiple of 16 bytes)")
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors' memory extents intersect (one storage, overlapping byte ranges)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0 or \

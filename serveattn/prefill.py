@@ -287,8 +287,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     split: (fixed_split_size, disable_split_kv) as plan() took them.
     batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
     tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
-    any others (tile rows and warps change the tensor-core instructions). The decode wrapper's requests all have
-    q_len_per_req rows: its tiles never follow the batch."""
+    any others (tile rows and warps change the tensor-core instructions). The decode wrapper's chains all have
+    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -356,7 +356,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
     max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
-    max_qo = graph_max_qo if graph_tiles else None if batch_invariant else max_qo_len if batch else 1
+    # batch-invariant: the decode wrapper's bound on its rows (a tree's 64 nodes) where it gives one, else any length
+    max_qo = graph_max_qo if graph_tiles or (batch_invariant and graph_max_qo is not None) else \
+        None if batch_invariant else max_qo_len if batch else 1
     if graph_tiles and graph_max_qo is not None and batch and max_qo_len > graph_max_qo:
         policy.refuse(entry, f"under use_cuda_graph=True this wrapper serves at most {graph_max_qo} query rows "
                              f"per request; the plan has {max_qo_len}.")
@@ -432,20 +434,26 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-def _graph_split(workspace: torch.Tensor) -> int:
-    """Under CUDA graphs, decode's tensor-core route keeps its work list in the workspace's first quarter (bytes,
-    16-aligned) and split-KV's partial states in the rest."""
-    return workspace.numel() * workspace.element_size() // 4 // 16 * 16
+# Under CUDA graphs a wrapper's work list lives in a buffer of its own (FlashInfer's int workspace is 8 MB a wrapper
+# too), never in the float workspace, which serving engines share between wrappers as scratch (SGLang's multi-step
+# draft plans several graph wrappers on one buffer before replaying them all). Its entries: a quarter of the
+# workspace's bytes where the wrapper splits (the partial states' share of old), all of them where not, at most this.
+GRAPH_WORK_MAX_INTS = 1 << 21
 
 
-def _split_states(workspace: torch.Tensor, plan: Plan, offset: int, room: int) -> tuple:
-    """(partial outputs fp32 [cap, Hq, D], partial LSEs [cap, Hq]), carved from `room` bytes of the
-    caller's workspace from `offset` (make_plan checked this plan's rows fit). The layout depends only on the room
+def _graph_work_ints(workspace: torch.Tensor, split_kv: bool) -> int:
+    nbytes = workspace.numel() * workspace.element_size()
+    return max(16, min(GRAPH_WORK_MAX_INTS, (nbytes // 4 if split_kv else nbytes) // 4))
+
+
+def _split_states(workspace: torch.Tensor, plan: Plan, room: int) -> tuple:
+    """(partial outputs fp32 [cap, Hq, D], partial LSEs [cap, Hq]), carved from the first `room` bytes of the
+    caller's workspace (make_plan checked this plan's rows fit). The layout depends only on the room
     and the heads, never on the plan's rows, so a captured CUDA graph's pointers stay right after any re-plan."""
     flat = workspace.reshape(-1).view(torch.uint8)
     cap = room // (4 * plan.num_qo_heads * (plan.head_dim + 1))
     width = cap * plan.num_qo_heads
-    floats = flat[offset: offset + 4 * width * (plan.head_dim + 1)].view(torch.float32)
+    floats = flat[: 4 * width * (plan.head_dim + 1)].view(torch.float32)
     return (floats[: width * plan.head_dim].view(cap, plan.num_qo_heads, plan.head_dim),
             floats[width * plan.head_dim:].view(cap, plan.num_qo_heads))
 
@@ -648,8 +656,9 @@ class _Variants:
 
 
 def _workspace_bytes(workspace: torch.Tensor) -> int:
-    """The bytes split-KV's partial states may use: a contiguous workspace's, else none."""
-    return workspace.numel() * workspace.element_size() if workspace.is_contiguous() else 0
+    """The bytes split-KV's partial states may use (policy.workspace_room: none of a strided or misaligned
+    workspace, whose plans stay unsplit)."""
+    return policy.workspace_room(workspace)
 
 
 def _check_signature(entry: str, plan: Plan, signature, first) -> None:
@@ -735,8 +744,8 @@ class _PrefillWrapper(WorkspaceAccessors):
         self._torch_caps: Optional[dict] = None  # backend='torch' under use_cuda_graph (CPU): _checked_torch
         self._caller_bufs: dict = {}
         self._graph_max_qo: Optional[int] = None  # decode's tensor-core route pins it to its rows per request
-        # under use_cuda_graph=True: split-KV items in every plan, the work list in the workspace's first quarter and
-        # the partial states after it (decode's tensor-core route, whose batches may be few long requests)
+        # under use_cuda_graph=True: split-KV items in every plan, the partial states in the workspace (decode's
+        # tensor-core route, whose batches may be few long requests)
         self._graph_split_kv = False
         self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
         self._workspace_bytes = _workspace_bytes(float_workspace_buffer)
@@ -758,12 +767,9 @@ class _PrefillWrapper(WorkspaceAccessors):
         self._variants = _Variants()
 
     def _split_bytes(self) -> int:
-        """What split-KV's partial states may take of the workspace (where it is contiguous): all of it outside CUDA
-        graphs; under them, where the wrapper splits (_graph_split_kv), what follows the work list's quarter
-        (_graph_split)."""
-        if not self._use_cuda_graph or not self._workspace_bytes:
-            return self._workspace_bytes
-        return self._workspace_bytes - _graph_split(self._workspace) if self._graph_split_kv else 0
+        """What split-KV's partial states may take of the workspace (policy.workspace_room): all of it, under CUDA
+        graphs only where the wrapper splits (_graph_split_kv)."""
+        return self._workspace_bytes if not self._use_cuda_graph or self._graph_split_kv else 0
 
     def _commit(self, plan: Plan, graph_bufs: Optional[staging.Captured] = None) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs).
@@ -786,8 +792,7 @@ class _PrefillWrapper(WorkspaceAccessors):
         if plan.merge_rows is not None:
             key = (plan.num_qo_heads, plan.head_dim)
             if self._split_views is None or self._split_views[0] != key:  # made once: a few us of torch calls
-                offset = _graph_split(self._workspace) if self._use_cuda_graph else 0
-                self._split_views = key, _split_states(self._workspace, plan, offset, self._split_bytes())
+                self._split_views = key, _split_states(self._workspace, plan, self._split_bytes())
             plan.split = self._split_views[1] + (plan.merge_rows,)
         self._plan = plan
         self.backend = plan.backend
@@ -846,12 +851,13 @@ class _PrefillWrapper(WorkspaceAccessors):
         return caps
 
     def _allocate_graph_buffers(self, entry: str, plan: Plan) -> dict:
-        """The fixed buffers: the caller's where given, the work list in the workspace, else sized by this plan."""
+        """The fixed buffers: the caller's where given, the work list in one of the wrapper's own (sized from the
+        workspace: _graph_work_ints), else sized by this plan."""
         ws = self._workspace
         if ws.dtype != torch.uint8 or not ws.is_contiguous() or ws.numel() < 64:
             policy.refuse(entry, f"under use_cuda_graph=True float_workspace_buffer must be a contiguous uint8 "
                                  f"tensor of at least 64 bytes (got {ws.dtype}, {ws.numel()} elements).")
-        ints = ws[: (_graph_split(ws) if self._graph_split_kv else ws.numel()) // 4 * 4].view(torch.int32)
+        ints = torch.empty(_graph_work_ints(ws, self._graph_split_kv), dtype=torch.int32, device=self.device)
         bufs = {"num_work": ints[:1], "work": ints[1:]}
         for name in _ARRAYS[2:]:
             given, t = self._caller_bufs.get(name), getattr(plan, name)

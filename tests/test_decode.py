@@ -370,3 +370,25 @@ def test_refused_decode_plan_leaves_the_wrapper_as_it_was(case, tensor_cores, de
         w.plan(*args, **kw)
     after = w.run(b.q, b.cache, return_lse=True)
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_misaligned_workspace_serves_unsplit_and_refuses_a_split(device):
+    """A float workspace no float32 view can start at (a byte slice at offset 1, policy.workspace_room): a plan
+    that does not split runs as usual; one that must (fixed_split_size) is refused with a sentence, never torch's
+    view error."""
+    gen = torch.Generator().manual_seed(12)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[300, 500], num_qo_heads=4, num_kv_heads=4, head_dim=64,
+                         page_size=16, dtype=torch.float16, device=device)
+    ws = torch.empty((1 << 20) + 1, dtype=torch.uint8, device=device)[1:]
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
+           disable_split_kv=True)
+    out = w.run(b.q, b.cache)
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+    assert rel_err(out, ref) < tolerance(torch.float16)
+    with pytest.raises(ValueError, match=r"float_workspace_buffer cannot hold this plan's split-KV partial states "
+                                         r"\(\d+ bytes\): a float workspace must be contiguous and start on a "
+                                         r"16-byte boundary"):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
+               fixed_split_size=128)
+    assert torch.equal(out, w.run(b.q, b.cache))  # the refused plan left the previous one

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import serveattn
-from serveattn import prefill, reference
+from serveattn import policy, prefill, reference
 from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
 from test_prefill import _mask_indptr, _options, _plan_kwargs
 
@@ -130,7 +130,7 @@ def test_decode_tensor_core_route_splits(mode, device, monkeypatch):
 @pytest.mark.parametrize("mode", ["decode", "tree"])
 def test_graph_replans_keep_split_items(mode, device, monkeypatch):
     """Under use_cuda_graph=True decode's tensor-core route always runs the split kernel from fixed buffers (work
-    list in the workspace's first quarter, partial states after it, a merge list sized for every row): re-plans that
+    list in the wrapper's own buffer, partial states in the workspace, a merge list sized for every row): re-plans that
     split and re-plans that do not, with empty requests, each against the reference (the same calls a captured graph
     replays)."""
     monkeypatch.setattr(prefill, "SPLIT_PROGRAMS_PER_SM", 8)
@@ -484,3 +484,42 @@ def test_single_prefill_splits_a_short_query_over_a_long_kv(causal, device, monk
     out0 = serveattn.single_prefill_with_kv_cache(q, k, v, causal=causal, backend="triton")
     assert planned[-1].split is None
     assert rel_err(out, out0) < tolerance(torch.bfloat16)
+
+
+def test_graph_wrapper_shares_its_workspace_with_a_splitting_wrapper(device, monkeypatch):
+    """Engines share one float workspace between wrappers as scratch (SGLang plans several graph wrappers on one
+    buffer before replaying them). A graph wrapper's work list lives in a buffer of its own: an eager prefill on
+    the same workspace that splits (partial states from its first byte) leaves the graph wrapper's next run, with
+    no re-plan, bitwise its first; a misaligned workspace keeps a plan unsplit (policy.workspace_room)."""
+    monkeypatch.setattr(prefill, "SPLIT_PROGRAMS_PER_SM", 8)
+    gen = torch.Generator().manual_seed(33)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    dec = make_paged_batch(gen, qo_lens=[1, 1, 1], kv_lens=[500, 40, 300], num_qo_heads=8, num_kv_heads=2,
+                           head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+    d = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        ws, use_cuda_graph=True, use_tensor_cores=True, backend="triton",
+        paged_kv_indptr_buffer=torch.empty(5, **i32), paged_kv_indices_buffer=torch.empty(dec.cache.shape[0], **i32),
+        paged_kv_last_page_len_buffer=torch.empty(4, **i32))
+    d.plan(dec.kv_indptr, dec.kv_indices, dec.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16)
+    first_out, first_lse = d.run(dec.q, dec.cache, return_lse=True)
+    work = d._prefill._plan.work
+    assert not policy.overlaps(work, ws)
+    pre = make_paged_batch(gen, qo_lens=[40], kv_lens=[900], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                           page_size=16, dtype=torch.bfloat16, device=device)
+    p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    p.plan(pre.qo_indptr, pre.kv_indptr, pre.kv_indices, pre.last_page_len, 8, 2, 64, 16, causal=True,
+           q_data_type=torch.bfloat16, fixed_split_size=64)
+    assert p._plan.num_merge > 0
+    p_out = p.run(pre.q, pre.cache)
+    ref, _ = reference.batch_paged(pre.q, pre.cache, pre.qo_indptr, pre.kv_indptr, pre.kv_indices,
+                                   pre.last_page_len, causal=True)
+    assert rel_err(p_out, ref) < tolerance(torch.bfloat16)
+    again_out, again_lse = d.run(dec.q, dec.cache, return_lse=True)
+    assert torch.equal(again_out, first_out) and torch.equal(again_lse, first_lse)
+    odd = torch.empty((1 << 22) + 1, dtype=torch.uint8, device=device)[1:]
+    o = serveattn.BatchPrefillWithPagedKVCacheWrapper(odd, backend="triton")
+    o.plan(pre.qo_indptr, pre.kv_indptr, pre.kv_indices, pre.last_page_len, 8, 2, 64, 16, causal=True,
+           q_data_type=torch.bfloat16)
+    assert o._plan.num_merge == 0
+    assert rel_err(o.run(pre.q, pre.cache), ref) < tolerance(torch.bfloat16)

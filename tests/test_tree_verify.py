@@ -176,3 +176,26 @@ def test_graph_wrapper_replans_trees_and_refuses_a_chain(device):
     out2 = w.run(b2.q, b2.cache)
     assert rel_err(out2, _reference(b2, second, [3, 50])[0]) < 1e-2
     assert np.isfinite(out2.float().cpu().numpy()).all()
+
+
+@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=64)])
+def test_batch_invariant_tree_plans_keep_their_tiles(split, device):
+    """Under FlashInfer's batch-invariance arguments a tree's tiles are those for 64 nodes whatever trees share its
+    batch (tile rows and warps change the tensor-core instructions, hence the bits on the GPU): a 2-node tree
+    alone and beside a 31-node tree plans the same tiles, and its rows are bitwise the same."""
+    gen = torch.Generator().manual_seed(40)
+    small, big = [-1, 0], random_tree(gen, 31)
+    alone = _batch(device, [small], [30], 41)
+    both = _batch(device, [small, big], [30, 50], 42)
+    both.q[:2] = alone.q
+    both.cache[both.kv_indices[: int(both.kv_indptr[1])].long()] = alone.cache[alone.kv_indices.long()]
+    outs, tiles = [], []
+    for b, trees in ((alone, [small]), (both, [small, big])):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                         use_tensor_cores=True, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, D, PAGE, q_data_type=b.q.dtype,
+               tree_parents=trees, **split)
+        tiles.append(w._prefill._plan.tiles)
+        outs.append(w.run(b.q, b.cache))
+    assert tiles[0] == tiles[1]
+    assert torch.equal(outs[0], outs[1][:2])
