@@ -17,7 +17,7 @@ import torch
 
 import serveattn
 from serveattn.bench import common
-from probe_inputs import shuffled_pages  # scripts/, beside this file
+from probe_inputs import chunked_prefill, shuffled_pages  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 DEFAULT = ("prefill-32x16x2048,prefill-8x128x4096,prefill-4x512x8192,prefill-1x2048x2048,"
@@ -32,14 +32,10 @@ def _call(case, ws, setting):
     kind, shape = case.split("-", 1)
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
-    indptr, indices, last, cache = shuffled_pages(batch, kv, PS, HKV, D)
     if kind == "prefill":
-        rows = dims[1]
-        qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
-        q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
-        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
-        w.plan(qo, indptr, indices, last, HQ, HKV, D, PS, causal=True, q_data_type=torch.bfloat16, **setting)
+        w, q, cache = chunked_prefill(ws, batch, dims[1], kv, PS, (HQ, HKV, D), **setting)
     else:
+        indptr, indices, last, cache = shuffled_pages(batch, kv, PS, HKV, D)
         q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=kind == "tc", backend="triton")
         w.plan(indptr, indices, last, HQ, HKV, D, PS, q_data_type=torch.bfloat16, **setting)

@@ -13,3 +13,17 @@ def shuffled_pages(batch: int, kv: int, page_size: int, num_kv_heads: int, head_
     cache = torch.randn(batch * pages + spare, 2, page_size, num_kv_heads, head_dim, dtype=torch.bfloat16,
                         device="cuda")
     return indptr, indices, last, cache
+
+
+def chunked_prefill(ws, batch: int, rows: int, kv: int, page_size: int, heads: tuple, **plan_kwargs):
+    """(wrapper, q, cache): the paged prefill wrapper (backend "triton") planned for batch requests of `rows` new
+    tokens over kv keys each (causal: chunked prefill), shuffled pages; heads = (query heads, KV heads, head dim)."""
+    import serveattn
+    num_qo_heads, num_kv_heads, head_dim = heads
+    indptr, indices, last, cache = shuffled_pages(batch, kv, page_size, num_kv_heads, head_dim)
+    qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
+    q = torch.randn(batch * rows, num_qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+    w.plan(qo, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, causal=True,
+           q_data_type=torch.bfloat16, **plan_kwargs)
+    return w, q, cache

@@ -19,7 +19,7 @@ import torch
 
 import serveattn
 from serveattn.bench import common
-from probe_inputs import shuffled_pages  # scripts/, beside this file
+from probe_inputs import chunked_prefill, shuffled_pages  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 DEFAULT = ("tc-1x8192,tc-8x4096,tc-32x2048,tree-1x8192,tree-8x4096,chunk-1x256x16384,chunk-1x512x32768,"
@@ -34,15 +34,11 @@ def _ours(case, ws, graph=False):
     ps = int(ps) if ps else PS
     dims = list(map(int, shape.split("x")))
     batch, kv = dims[0], dims[-1]
-    indptr, indices, last, cache = shuffled_pages(batch, kv, ps, HKV, D)
     if kind == "chunk":
-        rows = dims[1]
-        qo = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * rows
-        q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")
-        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
-        w.plan(qo, indptr, indices, last, HQ, HKV, D, ps, causal=True, q_data_type=torch.bfloat16)
-        plan = w._plan
+        w, q, cache = chunked_prefill(ws, batch, dims[1], kv, ps, (HQ, HKV, D))
+        plan, indptr, indices, last = w._plan, None, None, None  # the table: the tc cases' FlashInfer peer only
     else:
+        indptr, indices, last, cache = shuffled_pages(batch, kv, ps, HKV, D)
         kw = dict(tree_parents=[[-1, 0, 0, 1, 1]] * batch) if kind == "tree" else {}
         rows = 5 if kind == "tree" else 1
         q = torch.randn(batch * rows, HQ, D, dtype=torch.bfloat16, device="cuda")

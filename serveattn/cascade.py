@@ -83,12 +83,13 @@ def _merge_two(backend: str, v_a, s_a, v_b, s_b, v_out, s_out, keep=None) -> Non
         merge_kernel.merge_two(v_a, s_a, v_b, s_b, v_out, s_out, keep)
         return
     v, s = _merge_torch(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1))
-    if keep is not None:
-        rows = keep.bool()
-        v = torch.where(rows[:, None, None], v, v_out)  # rows left out keep their own values
-        s = torch.where(rows[:, None], s, s_out)
-    v_out.copy_(v)
-    s_out.copy_(s)
+    if keep is None:
+        v_out.copy_(v)
+        s_out.copy_(s)
+        return
+    rows = keep.bool()  # only these rows are written: the others keep their bits (a NaN's payload included)
+    v_out[rows] = v[rows].to(v_out.dtype)
+    s_out[rows] = s[rows]
 
 
 # ---------------------------------------------------------------- merge entry points
@@ -111,6 +112,17 @@ def merge_state_in_place(v, s, v_other, s_other, mask: Optional[torch.Tensor] = 
     is true (nonzero) change."""
     entry = "merge_state_in_place"
     _check_pair(entry, ("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
+    # v and s are written row by row while v_other and s_other are read: another view of the same memory would
+    # read rows already merged (the very same view, a state merged with itself, reads each row before writing it)
+    for out_name, out in (("v", v), ("s", s)):
+        if any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape)):
+            policy.refuse(entry, f"{out_name} is an expanded view (a zero stride); it is written in place, so each "
+                                 f"row must have memory of its own.")
+        for in_name, t in (("v_other", v_other), ("s_other", s_other)):
+            same_view = t.data_ptr() == out.data_ptr() and t.stride() == out.stride() and t.shape == out.shape
+            if not same_view and policy.overlaps(out, t):
+                policy.refuse(entry, f"{in_name} overlaps {out_name}, which is written in place; pass them in "
+                                     f"separate memory.")
     keep = None
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (v.shape[0],):
@@ -162,7 +174,9 @@ class MultiLevelCascadeAttentionWrapper:
     Level i has its own qo_indptr and page table: query rows qo_indptr[i][j]:qo_indptr[i][j+1] attend to
     that level's j-th KV segment. Every level must cover the same query rows. Each level runs as a
     `BatchPrefillWithPagedKVCacheWrapper`; `causal` applies to the last level only (as in FlashInfer),
-    where bottom-right alignment makes it equal to causal attention over the concatenated KV.
+    where bottom-right alignment makes it equal to causal attention over the concatenated KV. A window
+    (window_left >= 0) or RoPE over several levels is refused: each level would count positions from its own
+    first key (FlashInfer's wrapper computes that silently).
     """
     _entry = "MultiLevelCascadeAttentionWrapper"
 
@@ -241,6 +255,19 @@ class MultiLevelCascadeAttentionWrapper:
                 got = f"{len(arr)} entries" if isinstance(arr, (list, tuple)) else f"a {type(arr).__name__}"
                 policy.refuse(entry, f"{name} has {got} but the wrapper was built with num_levels="
                                      f"{self._num_levels}; pass a list with one tensor per level.")
+        if self._num_levels > 1:
+            # a level sees only its own keys: a window or RoPE positions would count from the level's first key,
+            # not the concatenated KV's (FlashInfer's wrapper computes that silently)
+            if policy.is_int(window_left) and window_left >= 0:
+                policy.unsupported(entry, f"window_left={window_left} with num_levels={self._num_levels} is not "
+                                          f"served: each level would measure the window from its own keys, not "
+                                          f"the concatenated KV's; use one level (a paged prefill over the whole "
+                                          f"KV) or window_left=-1.")
+            if pos_encoding_mode == "ROPE_LLAMA":
+                policy.unsupported(entry, f"pos_encoding_mode='ROPE_LLAMA' with num_levels={self._num_levels} is "
+                                          f"not served: each level would rotate by positions within its own keys, "
+                                          f"not the concatenated KV's; apply RoPE to q and K before appending "
+                                          f"(pos_encoding_mode='NONE').")
         # Every level is validated (and its schedule built) before any level is installed.
         last = self._num_levels - 1
         plans = [make_plan(

@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import single_prefill_with_kv_cache, split_paged_cache
+from .prefill import _single_prefill, split_paged_cache
 from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -281,8 +281,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
         fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv)
-        if data_type is not None and kv_data_type is None:  # FlashInfer's older name
-            kv_data_type = data_type
+        if data_type is not None:  # FlashInfer's older name, for whichever of the two was not given
+            kv_data_type = data_type if kv_data_type is None else kv_data_type
+            q_data_type = data_type if q_data_type is None else q_data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
         # request and trees run on the tensor-core route whatever it says: the bandwidth kernel serves one row);
         # under auto the measured crossover chooses between the kernels, use_tensor_cores=True included (a hint
@@ -304,6 +305,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._decided(decision)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
+        if pos_encoding_mode == "ROPE_LLAMA":  # reached where the route is held (auto under CUDA graphs)
+            policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only, and "
+                                      "this wrapper's route is the bandwidth kernel (under use_cuda_graph=True its "
+                                      "first plan's); apply RoPE before the call, or build a wrapper for RoPE plans.")
         kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size)
         if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
             policy.check_causal_lengths(entry, np.full(kv_lens.size, q_len_per_req), kv_lens)
@@ -313,7 +318,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_start=ip[:-1],
                                 kv_indices=indices,
                                 last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
-                                batch_cap=self._graph_cap)
+                                batch_cap=self._graph_cap, workspace=self._workspace)
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -556,9 +561,11 @@ def _plan_with(entry, plan: DecodePlan, pos_encoding_mode, window_left, logits_s
 def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                      logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale, fixed_split_size,
                      disable_split_kv, kv_indptr, kv_start, kv_indices=None, last_page_len=None, max_page=-1,
-                     q_len=1, batch_cap=None) -> DecodePlan:
+                     q_len=1, batch_cap=None, workspace=None) -> DecodePlan:
     """Host validation and the split-KV schedule (kv_lens, kv_start: numpy, each request's KV length and first
-    page, or first token); kv_indices None means contiguous (unpaged) K/V."""
+    page, or first token); kv_indices None means contiguous (unpaged) K/V. workspace: where a split the plan
+    chose itself needs more partial-state slots than it holds, the plan stays unsplit (a fixed_split_size that
+    needs more is refused when installed)."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim)
     policy.check_scalars(entry, sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
@@ -568,6 +575,10 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
                          batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
+    if chunk is not None and fixed_split_size is None and workspace is not None and \
+            total_slots * q_len > _slot_capacity(workspace, num_qo_heads, head_dim):
+        chunk = None
+        work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size,
@@ -712,10 +723,9 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
         return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
                                         v_scale, return_lse)
-    res = single_prefill_with_kv_cache(q[None], k, v, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
-                                       sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                       rope_scale=rope_scale, rope_theta=rope_theta, backend=backend,
-                                       return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    # one query row through single prefill, its refusals named after this entry
+    res = _single_prefill(q[None], k, v, None, None, False, kv_layout, pos_encoding_mode, sm_scale, window_left,
+                          logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale, entry)
     return (res[0][0], res[1][0]) if return_lse else res[0]
 
 

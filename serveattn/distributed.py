@@ -124,7 +124,11 @@ def _pages_per_rank(entry: str, value, batch: int, world_size: int) -> np.ndarra
             policy.refuse(entry, f"pages_per_rank has dtype {value.dtype}; page counts must be integers.")
         counts = value.detach().to("cpu").numpy().astype(np.int64)
     else:
-        counts = np.asarray(value)
+        try:
+            counts = np.asarray(value)
+        except ValueError:  # rows of unequal lengths
+            policy.refuse(entry, f"pages_per_rank must be a (batch, world_size) = ({batch}, {world_size}) table of "
+                                 f"page counts; its rows differ in length.")
         if counts.dtype.kind not in "iu" and counts.size:
             policy.refuse(entry, f"pages_per_rank holds {counts.dtype} values; page counts must be integers.")
         counts = counts.astype(np.int64)

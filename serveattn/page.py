@@ -209,9 +209,10 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_p
     owned = (ip[1:] - ip[:-1])[b]
     outside = (pos < 0) | (pos // page_size >= owned)
     if bool(outside.any()):
-        t = int(outside.nonzero()[0])
-        policy.refuse(entry, f"positions[{t}]={int(pos[t])} for request {int(b[t])}, which owns {int(owned[t])} "
-                             f"pages of {page_size} slots; a position must lie in 0..pages*page_size-1.")
+        t = int(outside.nonzero()[0])  # among the live tokens; the message names its index in positions
+        policy.refuse(entry, f"positions[{int(live.nonzero()[t])}]={int(pos[t])} for request {int(b[t])}, which "
+                             f"owns {int(owned[t])} pages of {page_size} slots; a position must lie in "
+                             f"0..pages*page_size-1.")
 
 
 def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,

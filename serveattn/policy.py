@@ -218,6 +218,12 @@ def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=
             logits_soft_cap == 0)):
         refuse(entry, f"logits_soft_cap={logits_soft_cap!r} must be a finite float >= 0 within float32's normal "
                       f"range (0 or None disables it).")
+    if logits_soft_cap:  # the kernels scale logits by sm_scale / cap and the result by cap * log2(e)
+        if not positive_f32(logits_soft_cap * LOG2E) or (
+                sm_scale is not None and not positive_f32(sm_scale / logits_soft_cap)):
+            refuse(entry, f"logits_soft_cap={logits_soft_cap!r} with sm_scale={sm_scale!r}: sm_scale / "
+                          f"logits_soft_cap and logits_soft_cap * log2(e) must be positive finite float32 values "
+                          f"in the normal range.")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
         if value is not None and not positive_f32(value):
             refuse(entry, f"{name}={value!r} must be a positive finite float within float32's normal range.")

@@ -861,11 +861,13 @@ class _PrefillWrapper(WorkspaceAccessors):
         bufs = {"num_work": ints[:1], "work": ints[1:]}
         for name in _ARRAYS[2:]:
             given, t = self._caller_bufs.get(name), getattr(plan, name)
-            if name == "merge_rows" and t is not None:  # room for every row the wrapper serves: its count, 3 each
+            if name in ("merge_rows", "tree_mask") and t is not None:
+                # room for every row the wrapper serves (its requests x rows each): a merge row's count and 3 ints
+                # each; a tree's ancestor word each (a later plan's trees may be larger than the first's)
                 given_qo = self._caller_bufs.get("qo_indptr")
-                rows = given_qo.numel() - 1 if given_qo is not None else 0
-                bufs[name] = torch.empty(max(staging.size(t), 1 + 3 * rows * self._graph_max_qo), dtype=torch.int32,
-                                         device=self.device)
+                rows = (given_qo.numel() - 1 if given_qo is not None else 0) * (self._graph_max_qo or 0)
+                need, dtype = (1 + 3 * rows, torch.int32) if name == "merge_rows" else (rows, t.dtype)
+                bufs[name] = torch.empty(max(staging.size(t), need), dtype=dtype, device=self.device)
             elif given is not None:
                 want = torch.uint8 if name == "mask" else torch.int32
                 if given.dtype != want or given.device != self.device or given.dim() != 1:

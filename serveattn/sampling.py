@@ -2,7 +2,9 @@
 
 Random numbers. Each call draws its random numbers on the host side as int64 values in [0, 2^31) with
 `torch.randint` (from `generator`, or a generator seeded from `seed`/`offset`, or torch's default one):
-one acceptance uniform per draft position (u = value * 2^-31) and one more for the final token. The Triton
+one acceptance uniform per draft position (u = (value >> 7) * 2^-24: its top 24 bits, exact in float32, so u < 1
+and a draft token with q == p is always accepted; value * 2^-31 rounded the largest values to 1.0) and one more
+for the final token. The Triton
 kernel and the torch path consume the same numbers and return the same tokens, bitwise; the same seed
 gives the same tokens on every call (`deterministic` is accepted for FlashInfer's sake: every path here is
 deterministic).
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from . import backend as _backend
 from . import policy
 
-_TWO_POW_M31 = 2.0 ** -31
+_TWO_POW_M24 = 2.0 ** -24
 _TWO_POW_32 = 2.0 ** 32
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -83,16 +86,19 @@ def _random_bits(entry: str, shape, device, generator, seed, offset) -> torch.Te
     """int64 values in [0, 2^31) of `shape` on `device`."""
     seed = _seed_value(entry, "seed", seed)
     offset = _seed_value(entry, "offset", offset)
+    if generator is not None and (seed is not None or offset is not None):
+        given = " and ".join(n for n, v in (("seed", seed), ("offset", offset)) if v is not None)
+        policy.refuse(entry, f"generator and {given} were both given; pass a generator, or a seed (and offset).")
     if offset is not None and seed is None:
         policy.refuse(entry, f"offset={offset} was given without a seed; pass seed as well (or a generator).")
-    if generator is not None and seed is not None:
-        policy.refuse(entry, "generator and seed were both given; pass one of them.")
     if generator is not None and not isinstance(generator, torch.Generator):
         policy.refuse(entry, f"generator must be a torch.Generator, got {type(generator).__name__}.")
     if seed is not None:
         generator = torch.Generator(device="cpu")
-        # seed and offset name one stream each (not FlashInfer's Philox stream: the numbers differ from it).
-        generator.manual_seed((seed * 1_000_003 + (offset or 0)) % (1 << 63))
+        # each (seed, offset) pair names a stream of its own (not FlashInfer's Philox stream: the numbers differ
+        # from it); SeedSequence mixes the pair, so no two pairs meet (seed * c + offset did: (1, 0) and (0, c))
+        state = np.random.SeedSequence([seed, offset or 0]).generate_state(1, np.uint64)[0]
+        generator.manual_seed(int(state) % (1 << 63))
     if generator is None:
         return torch.randint(0, 1 << 31, tuple(shape), dtype=torch.int64, device=device)
     bits = torch.randint(0, 1 << 31, tuple(shape), dtype=torch.int64, generator=generator,
@@ -221,7 +227,7 @@ def _chain_torch(draft_probs, draft_token_ids, target_probs, bits):
     ids = draft_token_ids.long()
     q = draft_probs.gather(2, ids[:, :, None])[:, :, 0]
     p = target_probs[:, :n].gather(2, ids[:, :, None])[:, :, 0]
-    u = bits[:, :n].to(torch.float32) * _TWO_POW_M31
+    u = (bits[:, :n] >> 7).to(torch.float32) * _TWO_POW_M24
     ok = u * q < p
     accepted = ok.sum(dim=1).to(torch.int32)
     take = ok.to(torch.int32).cumprod(dim=1).bool()
@@ -312,8 +318,9 @@ def tree_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.
         bad = (parents < -1) | (parents >= node)
         if bool(bad.any()):
             b, t = (int(x) for x in bad.nonzero()[0])
+            earlier = f"an earlier node (0..{t - 1})" if t else "nothing else for node 0, which has no earlier node"
             policy.refuse(entry, f"tree_parents[{b}, {t}]={int(parents[b, t])}; a parent must be -1 (the root) "
-                                 f"or an earlier node (0..{t - 1}).")
+                                 f"or {earlier}.")
     _check_counter(entry, "maybe_output_accepted_token_num", maybe_output_accepted_token_num, B, device)
     _check_counter(entry, "maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num, B, device)
     _check_flag(entry, "deterministic", deterministic)
@@ -338,7 +345,7 @@ def _tree_torch(draft_probs, ids, target_probs, parents, bits):
         z = torch.zeros(0, dtype=torch.int32, device=device)
         return out, z, z, nodes
     rows = torch.arange(B, device=device)
-    u_all = bits[:, :T].to(torch.float32) * _TWO_POW_M31
+    u_all = (bits[:, :T] >> 7).to(torch.float32) * _TWO_POW_M24
 
     # The alignment metric: every node's plain test against its parent's target row.
     if T:

@@ -99,6 +99,9 @@ def test_head_dim_must_be_a_python_int(head_dim, device):
     (dict(sm_scale=1e-300), "sm_scale=1e-300 must be a positive finite float within float32's normal range"),
     (dict(sm_scale=1e39), "sm_scale=1e\\+39 must be a positive finite float within float32's normal range"),
     (dict(logits_soft_cap=1e39), "logits_soft_cap=1e\\+39 must be a finite float >= 0 within float32's"),
+    (dict(logits_soft_cap=3e38), "logits_soft_cap=3e\\+38 with sm_scale=None: sm_scale / logits_soft_cap and "
+                                 "logits_soft_cap \\* log2\\(e\\) must be positive finite"),
+    (dict(logits_soft_cap=1e-35, sm_scale=1e4), "logits_soft_cap=1e-35 with sm_scale=10000.0"),
     (dict(rope_theta=1e-300), "rope_theta=1e-300 must be a positive finite float within float32's"),
 ])
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -344,6 +344,12 @@ MERGE_REFUSALS = [
      ValueError, "mask has dtype torch.int32; it must be bool or uint8"),
     ("other_shape", "merge_state_in_place", lambda v, s: (v, s, v[:2], s[:2]), ValueError,
      "v_other has shape"),
+    ("expanded_v", "merge_state_in_place", lambda v, s: (v[:1].expand(v.shape), s, v.clone(), s.clone()),
+     ValueError, "v is an expanded view \\(a zero stride\\); it is written in place"),
+    ("other_in_v", "merge_state_in_place", lambda v, s: (v[1:], s[1:], v[:-1], s[1:].clone()), ValueError,
+     "v_other overlaps v, which is written in place"),
+    ("s_other_in_s", "merge_state_in_place", lambda v, s: (v, s, v.clone(), s.as_strided((3, 2), (1, 1))), ValueError,
+     "s_other overlaps s, which is written in place"),
     ("states_3d", "merge_states", lambda v, s: (v, s), ValueError, "expected a 4-D tensor"),
     ("states_s", "merge_states", lambda v, s: (v[:, None], s), ValueError,
      r"s has shape \(3, 2\); expected \(3, 1, 2\)"),
@@ -356,6 +362,23 @@ def test_merge_refusals(case, device):
     v, s = _state_args(device)
     with pytest.raises(exc, match=match):
         getattr(cascade, fn)(*build(v, s))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_merge_in_place_with_itself_and_masked_rows_keep_their_bits(backend, device):
+    """A state merged with itself (the very same views: each row read before it is written) is allowed: its LSE
+    grows by one, its values stay; rows a mask leaves out keep their exact bits, a NaN's payload included."""
+    gen = torch.Generator().manual_seed(7)
+    v = torch.randn(3, 2, 64, generator=gen).half().to(device)
+    s = torch.randn(3, 2, generator=gen).to(device)
+    v0, s0 = v.clone(), s.clone()
+    cascade.merge_state_in_place(v, s, v, s, backend=backend)
+    assert rel_err(v, v0) < 1e-2 and torch.allclose(s, s0 + 1)
+    v[1] = float("nan")
+    before = v[1].clone()
+    mask = torch.tensor([True, False, True], device=device)
+    cascade.merge_state_in_place(v, s, v0, s0, mask, backend=backend)
+    assert torch.equal(v[1].view(torch.int16), before.view(torch.int16))
 
 
 def test_merge_refuses_unknown_backend(device):
@@ -385,6 +408,12 @@ def test_cascade_refusals(device):
         w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 96, 4)
     with pytest.raises(ValueError, match=r"\(level 1\): paged_kv_indptr has dtype torch.int64"):
         w.plan(arr["qo"], [arr["indptr"][0], arr["indptr"][1].long()], arr["indices"], arr["last"], 4, 2, 64, 4)
+    # a level sees only its own keys: a window or RoPE positions would not count from the concatenated KV's
+    with pytest.raises(NotImplementedError, match=r"window_left=8 with num_levels=2 is not served: each level would "
+                                                  r"measure the window from its own keys"):
+        w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, window_left=8)
+    with pytest.raises(NotImplementedError, match=r"pos_encoding_mode='ROPE_LLAMA' with num_levels=2 is not served"):
+        w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4, pos_encoding_mode="ROPE_LLAMA")
     w.plan(arr["qo"], arr["indptr"], arr["indices"], arr["last"], 4, 2, 64, 4)
     with pytest.raises(ValueError, match=r"q has shape \(5, 4, 64\); expected \(6, 4, 64\)"):
         w.run(q[:5], b.cache)

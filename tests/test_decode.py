@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import serveattn
-from serveattn import reference
+from serveattn import decode, reference
 from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
 
 GQA = [(4, 4), (8, 2), (8, 1)]
@@ -392,3 +392,23 @@ def test_misaligned_workspace_serves_unsplit_and_refuses_a_split(device):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
                fixed_split_size=128)
     assert torch.equal(out, w.run(b.q, b.cache))  # the refused plan left the previous one
+
+
+def test_a_split_the_workspace_cannot_hold_stays_unsplit(device, monkeypatch):
+    """The bandwidth route's own split (no fixed_split_size) needs partial-state slots; a workspace too small for
+    them (1 KB) serves the plan unsplit, as the tensor-core route does, instead of refusing it."""
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)  # one request: the rule splits it
+    gen = torch.Generator().manual_seed(13)
+    b = make_paged_batch(gen, qo_lens=[1], kv_lens=[900], num_qo_heads=4, num_kv_heads=4, head_dim=64,
+                         page_size=16, dtype=torch.float16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1024, dtype=torch.uint8, device=device),
+                                                     backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16)
+    assert w._plan.num_slots == 0
+    roomy = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                         backend="triton")
+    roomy.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16)
+    assert roomy._plan.num_slots > 0  # with room, the same plan splits
+    out = w.run(b.q, b.cache)
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+    assert rel_err(out, ref) < tolerance(torch.float16)

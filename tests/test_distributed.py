@@ -73,6 +73,8 @@ SHARD_REFUSALS = [
     ("world_float", dict(world_size=2.0, rank=0), "world_size=2.0 must be an int"),
     ("counts_shape", dict(world_size=2, rank=0, pages_per_rank=[[1, 1, 1], [1, 0, 0]]),
      r"pages_per_rank has shape \(2, 3\); expected \(batch, world_size\) = \(2, 2\)"),
+    ("counts_ragged", dict(world_size=2, rank=0, pages_per_rank=[[1, 1], [1]]),
+     r"pages_per_rank must be a \(batch, world_size\) = \(2, 2\) table of page counts; its rows differ"),
     ("counts_sum", dict(world_size=2, rank=0, pages_per_rank=[[2, 1], [1, 0]]),
      "pages_per_rank\\[0\\] sums to 3 but request 0 owns 2 pages"),
     ("counts_negative", dict(world_size=2, rank=0, pages_per_rank=[[3, -1], [1, 0]]), "negative page count"),

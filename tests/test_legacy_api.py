@@ -223,3 +223,20 @@ def test_remaining_refusals(device):
     strided = torch.empty(8, 2 * rows, device=device)[:, :rows]  # [heads, rows] inside a wider buffer
     with pytest.raises(ValueError, match="lse for lse_layout='HN' must be contiguous"):
         w.run(b.q, b.cache, lse=strided, return_lse=True, lse_layout="HN")
+
+
+@pytest.mark.parametrize("use_tensor_cores", [False, True])
+def test_decode_data_type_fills_whichever_dtype_is_not_given(use_tensor_cores, device):
+    """FlashInfer's older `data_type` sets q_data_type and kv_data_type where they are not given (None): the same
+    plan as naming both."""
+    gen = torch.Generator().manual_seed(17)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[40, 90], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    outs = []
+    for kw in (dict(q_data_type=None, data_type=torch.bfloat16),
+               dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                         use_tensor_cores=use_tensor_cores, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, **kw)
+        outs.append(w.run(b.q, b.cache))
+    assert torch.equal(outs[0], outs[1])

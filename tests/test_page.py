@@ -105,6 +105,30 @@ def test_append_odd_head_dim_and_strided_keys(backend, device):
     assert torch.equal(on_device[4].cpu(), want)
 
 
+@pytest.mark.parametrize("strided", ["batch_indices", "positions", "kv_indices", "kv_indptr"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_reads_strided_index_tensors(strided, backend, device):
+    """An index tensor that is a strided view (a column of a table, x[::2]) holding the same values: the same
+    cache as with contiguous indices (the Triton kernel reads them at unit stride, so they are copied first)."""
+    g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(5, 4, [2, 9], [6, 3])
+    cache = torch.randn(num_pages, 2, 4, 3, 64, generator=g).half()
+    seq_lens = page.get_seq_lens(kv_indptr, last, 4)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, seq_lens, 9)
+    key, value = torch.randn(2, 9, 3, 64, generator=g).half()
+    index = dict(batch_indices=batch_indices, positions=positions, kv_indices=kv_indices, kv_indptr=kv_indptr)
+    want = reference.append_paged_kv_cache(key, value, batch_indices, positions, cache, kv_indices, kv_indptr, last)
+    wide = torch.full((2 * index[strided].numel(),), 1, dtype=torch.int32)  # the gaps: valid-looking ints
+    wide[::2] = index[strided]
+    index[strided] = wide[::2]
+    assert not index[strided].is_contiguous()
+    on_device = {n: t.to(device) for n, t in index.items()}
+    on_device[strided] = wide.to(device)[::2]
+    got = cache.to(device)
+    page.append_paged_kv_cache(key.to(device), value.to(device), on_device["batch_indices"], on_device["positions"],
+                               got, on_device["kv_indices"], on_device["kv_indptr"], last.to(device), backend=backend)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_append_nothing_and_auto_backend():
     g, num_pages, kv_indices, kv_indptr, last, append_indptr, _ = make_batch(6, 16, [4], [0])
     cache = torch.randn(num_pages, 2, 16, 2, 64, generator=g).half()
@@ -508,3 +532,15 @@ def test_append_cuda_cache_beyond_2_pow_31_elements():
     assert torch.equal(cache[num_pages - 3, 1, 2], value[1])
     assert torch.equal(cache[num_pages - 1, 1, 0], value[2])
     assert int((cache[-4:] != 7.0).any(-1).sum()) == 3 * 2 * heads
+
+
+def test_append_refusal_names_the_index_past_padding():
+    """A position outside its request's pages behind a padding token (request -1): the sentence names the entry's
+    own index in positions (host tensors: the value checks run on CPU inputs)."""
+    i32 = dict(dtype=torch.int32)
+    cache = torch.zeros(6, 2, 4, 2, 64, dtype=torch.float16)
+    key = torch.randn(2, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"positions\[1\]=99 for request 0, which owns 2 pages"):
+        page.append_paged_kv_cache(key, key, torch.tensor([-1, 0], **i32), torch.tensor([0, 99], **i32), cache,
+                                   torch.tensor([4, 1, 2], **i32), torch.tensor([0, 2, 3], **i32),
+                                   torch.tensor([2, 4], **i32), backend="torch")

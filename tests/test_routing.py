@@ -439,18 +439,39 @@ def test_decode_wrapper_reresolves_and_numbers_agree_whichever_route(fake_gpu):
 
 
 @cpu_only
+def test_graph_auto_wrapper_held_on_the_bandwidth_kernel_refuses_rope(fake_gpu):
+    """Under use_cuda_graph=True auto holds its first plan's route; held on the bandwidth kernel, a RoPE plan (which
+    that kernel does not apply) is refused, never run without RoPE."""
+    fake_gpu()
+    gen = torch.Generator().manual_seed(8)
+    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=[300, 77, 150], num_qo_heads=32, num_kv_heads=8,
+                         head_dim=128, page_size=16, dtype=BF16)
+    i32 = dict(dtype=torch.int32)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(1 << 22, dtype=torch.uint8), use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(5, **i32),
+        paged_kv_indices_buffer=torch.empty(64, **i32), paged_kv_last_page_len_buffer=torch.empty(4, **i32))
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=BF16)
+    assert w._decision.kernel == routing.BANDWIDTH
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core "
+                                                  "route only, and this wrapper's route is the bandwidth kernel"):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=BF16,
+               pos_encoding_mode="ROPE_LLAMA")
+
+
+@cpu_only
 def test_single_decode_use_tensor_cores_true_is_a_hint_under_auto(fake_gpu, monkeypatch):
     """single_decode_with_kv_cache asks the same table as the batch wrapper (one request) under auto."""
     from serveattn import decode as decode_mod
     fake_gpu(sms=2)
     monkeypatch.setattr(decode_mod.backends, "resolve", lambda entry, backend, device: "triton")
     taken = []
-    bandwidth, prefill = decode_mod._single_decode_bandwidth, decode_mod.single_prefill_with_kv_cache
+    bandwidth, prefill = decode_mod._single_decode_bandwidth, decode_mod._single_prefill
     monkeypatch.setattr(decode_mod, "_single_decode_bandwidth",
                         lambda *a, **k: taken.append("bandwidth") or bandwidth(*a, **k))
-    # the prefill family on CPU tensors: its kernel through the interpreter (auto would take torch there)
-    monkeypatch.setattr(decode_mod, "single_prefill_with_kv_cache",
-                        lambda *a, **k: taken.append("tensor-core") or prefill(*a, **{**k, "backend": "triton"}))
+    # the prefill family on CPU tensors: its kernel through the interpreter (auto would take torch there);
+    # _single_prefill's 14th argument is the backend
+    monkeypatch.setattr(decode_mod, "_single_prefill",
+                        lambda *a: taken.append("tensor-core") or prefill(*a[:13], "triton", *a[14:]))
     gen = torch.Generator().manual_seed(3)
     for head_dim, kw, route in ((128, {}, "bandwidth"),  # measured (bf16, 128, group 4): the table's kernel
                                 (64, {}, "tensor-core"),  # unmeasured: the hint is taken

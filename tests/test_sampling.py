@@ -278,6 +278,34 @@ def test_deterministic_and_seeded():
     assert all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_draft_token_with_q_equal_to_p_is_always_accepted(backend):
+    """u takes the draw's top 24 bits (exact in float32): u < 1 even for the largest draws, which as value * 2^-31
+    rounded to 1.0 and rejected a token with q == p (acceptance probability 1). The generator is positioned on
+    such a draw: 2147483633, past 2^31 - 64."""
+    p = torch.full((4,), 0.25)
+    g = torch.Generator().manual_seed(0)
+    torch.randint(0, 1 << 31, (3270768,), dtype=torch.int64, generator=g)  # to the high draw
+    peek = torch.Generator()
+    peek.set_state(g.get_state())
+    assert int(torch.randint(0, 1 << 31, (1,), dtype=torch.int64, generator=peek)) >= (1 << 31) - 64
+    out, accepted, emitted = chain_speculative_sampling(p.expand(1, 1, 4).contiguous(),
+                                                        torch.tensor([[2]], dtype=torch.int32),
+                                                        p.expand(1, 2, 4).contiguous(), generator=g, backend=backend)
+    assert accepted.tolist() == [1] and emitted.tolist() == [1] and out[0, 0] == 2
+
+
+def test_seed_and_offset_pairs_name_streams_of_their_own():
+    """(seed, offset) pairs are mixed, not added: (1, 0) and (0, 1_000_003) once drew the same numbers."""
+    args = _chain_args()
+    first, again = (chain_speculative_sampling(**args, seed=1, offset=0)[0] for _ in range(2))
+    assert torch.equal(first, again)  # the same pair: the same stream
+    from serveattn import sampling
+    a = sampling._random_bits("t", (64,), "cpu", None, 1, 0)
+    b = sampling._random_bits("t", (64,), "cpu", None, 0, 1_000_003)
+    assert not torch.equal(a, b)
+
+
 def test_counts_are_added_in_place():
     d, ids, t = _random_case(20, 3, 16, seed=2)
     out, acc, emi = chain_speculative_sampling(d, ids, t, seed=5)
@@ -305,6 +333,8 @@ def _chain_args():
     (lambda a: a.update(draft_token_ids=a["draft_token_ids"] + 8), ValueError, "outside the vocabulary"),
     (lambda a: a.update(backend="cuda"), ValueError, "backend='cuda'"),
     (lambda a: a.update(seed=1, generator=torch.Generator()), ValueError, "generator and seed"),
+    (lambda a: a.update(offset=3, generator=torch.Generator()), ValueError,
+     "generator and offset were both given; pass a generator, or a seed"),
     (lambda a: a.update(seed=1.5), ValueError, "seed=1.5"),
     (lambda a: a.update(deterministic="yes"), ValueError, "deterministic='yes'"),
     (lambda a: a.update(maybe_output_accepted_token_num=torch.zeros(4, dtype=torch.int64)), ValueError,
@@ -324,6 +354,9 @@ def test_tree_refusals():
     good = torch.tensor([[-1, 0, 0], [-1, -1, 1]])
     with pytest.raises(ValueError, match=r"tree_parents\[0, 1\]=1"):
         tree_speculative_sampling(d, ids, t, torch.tensor([[-1, 1, 0], [-1, -1, 1]]))
+    with pytest.raises(ValueError, match=r"tree_parents\[1, 0\]=-2; a parent must be -1 \(the root\) or nothing "
+                                         r"else for node 0"):
+        tree_speculative_sampling(d, ids, t, torch.tensor([[-1, 0, 0], [-2, -1, 1]]))
     with pytest.raises(ValueError, match="tree_parents has shape"):
         tree_speculative_sampling(d, ids, t, good[:, :2])
     with pytest.raises(ValueError, match="tree_parents has type"):

@@ -199,3 +199,23 @@ def test_batch_invariant_tree_plans_keep_their_tiles(split, device):
         outs.append(w.run(b.q, b.cache))
     assert tiles[0] == tiles[1]
     assert torch.equal(outs[0], outs[1][:2])
+
+
+def test_graph_wrapper_takes_larger_trees_than_its_first_plan(device):
+    """Under use_cuda_graph=True the trees' ancestor words have room for the batch capacity's 64-node trees, not
+    only the first plan's nodes (a warm-up plan of small trees, then trees of 43 nodes in all)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(1 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True, use_tensor_cores=True,
+        backend="triton", paged_kv_indptr_buffer=torch.empty(5, **i32),
+        paged_kv_indices_buffer=torch.empty(200, **i32), paged_kv_last_page_len_buffer=torch.empty(4, **i32))
+    small = [[-1, 0, 0], [-1, 0, 1, 1, 2]]
+    b = _batch(device, small, [100, 200], 21)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
+           tree_parents=small)
+    large = [[-1] + list(range(19)), [-1] * 20, [-1, 0], [-1]]
+    b2 = _batch(device, large, [100, 200, 5, 9], 22)
+    w.plan(b2.kv_indptr, b2.kv_indices, b2.last_page_len, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16,
+           tree_parents=large)
+    out = w.run(b2.q, b2.cache)
+    assert rel_err(out, _reference(b2, large, [100, 200, 5, 9])[0]) < 1e-2

@@ -86,6 +86,9 @@ def append(append_key, append_value, batch_indices, positions, k_cache, v_cache,
     # About 2K elements per tile: wide enough to vectorise D, small enough for decode batches.
     block_t = max(1, min(64, 2048 // block_d, next_pow2(nnz)))
     grid = (cdiv(nnz, block_t), num_kv_heads)
+    # the index arrays are read at unit stride: a strided view (a column of a table, x[::2]) is copied first
+    batch_indices, positions, kv_indptr, kv_indices = (
+        t.contiguous() for t in (batch_indices, positions, kv_indptr, kv_indices))
     _append_kernel[grid](
         append_key, append_value, k_cache, v_cache,
         batch_indices, positions, kv_indptr, kv_indices,
