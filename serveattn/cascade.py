@@ -8,6 +8,8 @@ and their states are merged in place.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -352,9 +354,16 @@ class MultiLevelCascadeAttentionWrapper:
             _merge_two(self.backend, out, lse, level_out, level_lse, out, lse)
         return (out, lse) if return_lse else out
 
-    # FlashInfer's deprecated names: begin_forward() for plan(), forward() for run()
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    # FlashInfer's deprecated names: begin_forward() for plan(), forward() for run(), end_forward() a no-op
     def begin_forward(self, *args, **kwargs):
         return self.plan(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         return self.run(*args, **kwargs)
+
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to release."""

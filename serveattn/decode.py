@@ -207,6 +207,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             policy.refuse(self._entry, "use_cuda_graph=True needs paged_kv_indptr_buffer, paged_kv_indices_buffer "
                                        "and paged_kv_last_page_len_buffer: their sizes fix the batch and page "
                                        "capacity of the captured graph.")
+        if use_cuda_graph:  # index buffers are int32 as every index tensor (API.md), checked here, not at plan()
+            for name, buf in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                              ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                              ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                policy.check_index(self._entry, name, buf)
+                policy.check_same_device(self._entry, float_workspace_buffer.device, **{name: buf})
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph

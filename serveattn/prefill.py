@@ -323,7 +323,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if paged:
         kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size)
         idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
-        idx_host = kv_indices if kv_indices.is_cpu else torch.from_numpy(idx_np)
+        # the plan's own copy: a caller may rewrite its page table after plan() (the torch route reads this)
+        idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
         max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])])
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
@@ -486,7 +487,7 @@ def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> tor
         if custom_mask.numel() != bits:
             policy.refuse(entry, f"custom_mask has {custom_mask.numel()} elements; the batch's "
                                  f"sum(qo_len * kv_len) is {bits}.")
-        return custom_mask.reshape(-1).to("cpu")
+        return custom_mask.reshape(-1).to("cpu", copy=True)  # the plan's own: the caller may reuse its mask
     if packed_custom_mask.dtype != torch.uint8:
         policy.refuse(entry, f"packed_custom_mask has dtype {packed_custom_mask.dtype}; it must be uint8.")
     seg_bytes = packed_segment_bytes(qo_lens, kv_lens)
@@ -1261,6 +1262,7 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
     if k.shape[2] != q.shape[2]:
         policy.refuse(entry, f"q has head dim {q.shape[2]} but k has {k.shape[2]}.")
     policy.check_same_device(entry, q.device, k=k, v=v)
+    policy.check_backend(entry, backend)  # here, so the refusal names this entry, not the wrapper inside
     workspace = torch.empty(SINGLE_WORKSPACE_BYTES if backend != "torch" else 0, dtype=torch.uint8, device=q.device)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout, backend=backend)
     wrapper._entry = entry

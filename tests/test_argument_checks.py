@@ -451,3 +451,20 @@ def test_logit_scale_products_outside_float32_are_refused(device):
     with pytest.raises(ValueError, match="sm_scale=3e\\+38 must be a positive finite float"):
         p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, sm_scale=3e38,
                q_data_type=F16)
+
+
+def test_audit_refusals_name_the_entry_called_and_graph_buffers_are_int32(device):
+    """single_prefill's backend refusal names single_prefill_with_kv_cache (not the wrapper it builds); a decode
+    graph wrapper's index buffers are int32 (API.md: int64 is refused, not cast), refused at construction under
+    the argument's own name; the cascade wrapper has FlashInfer's other spellings too."""
+    q = torch.randn(3, 4, 64, dtype=F16, device=device)
+    k = torch.randn(5, 2, 64, dtype=F16, device=device)
+    with pytest.raises(ValueError, match=r"^single_prefill_with_kv_cache: backend='xla' is not a backend"):
+        serveattn.single_prefill_with_kv_cache(q, k, k, backend="xla")
+    i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match=r"CUDAGraphBatchDecodeWithPagedKVCacheWrapper: paged_kv_indptr_buffer has "
+                                         r"dtype torch.int64; index tensors must be int32"):
+        serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(_ws(device), torch.empty(3, **i64),
+                                                              torch.empty(8, **i32), torch.empty(2, **i32))
+    w = serveattn.MultiLevelCascadeAttentionWrapper(2, _ws(device))
+    assert all(callable(getattr(w, n)) for n in ("run_return_lse", "forward_return_lse", "end_forward"))

@@ -225,3 +225,23 @@ def test_soft_cap_small_and_large(cap, kind, device):
     out, lse = w.run(b.q, b.cache, return_lse=True)
     assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
     check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_caller_reusing_its_mask_and_page_table_after_plan_changes_nothing(backend, device):
+    """plan() keeps its own copies: rewriting the custom mask or the page indices in place between plan() and
+    run() (a caller preparing its next batch) leaves run()'s answer the plan's (the torch route read them)."""
+    gen = torch.Generator().manual_seed(31)
+    b = make_paged_batch(gen, qo_lens=[6, 5], kv_lens=[13, 9], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=4, dtype=torch.float16, device=device)
+    mask = (torch.rand(6 * 13 + 5 * 9, generator=gen) < 0.5).to(device)
+    want, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                    custom_mask=mask.clone())
+    indices = b.kv_indices.clone()
+    w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                      backend=backend)
+    w.plan(b.qo_indptr, b.kv_indptr, indices, b.last_page_len, 4, 2, 64, 4, custom_mask=mask,
+           q_data_type=torch.float16)
+    mask.logical_not_()
+    indices.copy_(indices.flip(0))
+    assert rel_err(w.run(b.q, b.cache), want) < tolerance(torch.float16)
