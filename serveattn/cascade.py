@@ -202,8 +202,9 @@ class MultiLevelCascadeAttentionWrapper:
                 policy.refuse(entry, f"{name} has {got} for num_levels={num_levels}; pass one buffer per level.")
         workspaces = [float_workspace_buffer] * num_levels
         if use_cuda_graph and float_workspace_buffer.dtype == torch.uint8:
-            # Under CUDA graphs a level keeps its work list in its workspace: one shared buffer would let the
-            # levels overwrite each other's, so each gets its own 256-byte aligned slice.
+            # Under CUDA graphs each level gets its own 256-byte aligned slice, whose size sets the capacity of the
+            # work list the level keeps in a buffer of its own (prefill._graph_work_ints), as it did when work
+            # lists lived in the workspace.
             chunk = float_workspace_buffer.numel() // num_levels // 256 * 256
             workspaces = [float_workspace_buffer[i * chunk:(i + 1) * chunk] for i in range(num_levels)]
         self._levels = [

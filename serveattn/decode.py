@@ -402,12 +402,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             _check_partials_room(entry, self._workspace, plan.num_slots * plan.q_len, *key)
         partials = self._partials_memo[1]
         names = _device_arrays()
-        if FUSED_MERGE:  # allocated (zeroed) here, never inside run(): a captured graph must not re-zero it
-            cap = self._graph_cap if self._use_cuda_graph else plan.batch
-            if self._done_count is None or self._done_count.numel() < cap * plan.num_kv_heads:
-                self._done_count = torch.zeros(max(cap, 1) * plan.num_kv_heads, dtype=torch.int32,
-                                               device=self.device)
         if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
+            self._ensure_done_count(plan.batch, plan.num_kv_heads)
             for name, t in (*partials.items(), *staging.to_device({n: getattr(plan, n) for n in names},
                                                                   self.device, self._kept).items()):
                 setattr(plan, name, t)
@@ -428,7 +424,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                  f"reads: capture with q of the largest batch).")
         for name in _PLAN_ARRAYS:  # every buffer bounds the plan (kv_indptr's: the batch), copied or not
             check_capacity(entry, name, staging.size(getattr(plan, name)), bufs.caps[name], _GRAPH_BUFFER_SOURCE[name])
-        # every check passed: only now are the captured buffers overwritten (one staged copy, staging.to_buffers)
+        # every check passed: only now are the captured buffers (and the counts a captured graph reads) replaced
+        # or overwritten (one staged copy, staging.to_buffers)
+        self._ensure_done_count(self._graph_cap, plan.num_kv_heads)
         arrays = {n: getattr(plan, n) for n in names}
         if "req_num_slots" in arrays:
             slots = np.zeros(bufs.caps["req_num_slots"], dtype=np.int32)  # requests past the batch: no merge
@@ -439,6 +437,13 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         for name in _PLAN_ARRAYS:  # the buffers the graph captured, whether this plan wrote them or not
             setattr(plan, name, bufs[name])
         self._plan = plan
+
+    def _ensure_done_count(self, batch: int, num_kv_heads: int) -> None:
+        """FUSED_MERGE's completion counts, one per (request, KV head): allocated (zeroed) here, never inside run()
+        (a captured graph must not re-zero them), and only once a plan has passed every check (a refused re-plan
+        must leave the counts its predecessor's graph reads)."""
+        if FUSED_MERGE and (self._done_count is None or self._done_count.numel() < batch * num_kv_heads):
+            self._done_count = torch.zeros(max(batch, 1) * num_kv_heads, dtype=torch.int32, device=self.device)
 
     def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
         cap = self._graph_cap

@@ -412,3 +412,24 @@ def test_a_split_the_workspace_cannot_hold_stays_unsplit(device, monkeypatch):
     out = w.run(b.q, b.cache)
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
     assert rel_err(out, ref) < tolerance(torch.float16)
+
+
+def test_a_refused_graph_replan_keeps_the_counts_its_graph_reads(device):
+    """Under use_cuda_graph=True the bandwidth kernel's fused fold counts (per request and KV head) are what a
+    captured graph increments: a re-plan refused by the graph's rules (more KV heads) leaves that very tensor, and
+    the previous plan runs as before."""
+    gen = torch.Generator().manual_seed(14)
+    b = make_paged_batch(gen, qo_lens=[1] * 2, kv_lens=[300, 500], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.float16, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(1 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True, backend="triton",
+        paged_kv_indptr_buffer=torch.empty(3, **i32), paged_kv_indices_buffer=torch.empty(100, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(2, **i32))
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, q_data_type=torch.float16)
+    before = w.run(b.q, b.cache)
+    counts = w._done_count
+    with pytest.raises(ValueError, match="a re-plan may change only the batch's lengths and page table"):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 16, 8, 64, 16, q_data_type=torch.float16)
+    assert w._done_count is counts
+    assert torch.equal(w.run(b.q, b.cache), before)
