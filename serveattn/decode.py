@@ -605,8 +605,9 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
     return policy.decode_dtypes(entry, q_data_type, kv_data_type, o_data_type,
-                                "an fp8 query is served on the tensor-core route only; construct the wrapper with "
-                                "use_tensor_cores=True.")
+                                "an fp8 query is served on the tensor-core route only; " + (
+                                    "pass use_tensor_cores=True." if entry.startswith("single_decode") else
+                                    "construct the wrapper with use_tensor_cores=True."))
 
 
 # what sizes each captured buffer, in the caller's terms (refusals name it)
@@ -731,7 +732,8 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
             q_data_type=q.dtype, kv_data_type=k.dtype, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, q_len_per_req=1, tree=False, use_tensor_cores=True,
             use_cuda_graph=False), q.device, None).kernel == routing.TENSOR_CORE
-    if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE":
+    if route == "triton" and not use_tensor_cores and pos_encoding_mode == "NONE" and not (
+            backend == "auto" and q.dtype in policy.FP8_DTYPES):  # auto: an fp8 query takes the tensor-core route
         return _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft_cap, sm_scale, k_scale,
                                         v_scale, return_lse)
     # one query row through single prefill, its refusals named after this entry

@@ -236,8 +236,8 @@ def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional
     if fixed_split_size is None or (fixed_split_size == -1 and type(fixed_split_size) is int):
         return None, bool(disable_split_kv)
     if not is_int(fixed_split_size) or fixed_split_size < 1:
-        refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk), or -1 "
-                      f"or None for the library's choice.")
+        refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk; a Python "
+                      f"int, not numpy's), or -1 or None for the library's choice.")
     return fixed_split_size, True
 
 

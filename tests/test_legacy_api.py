@@ -1,6 +1,7 @@
 """FlashInfer's other spellings of plan() and run(): begin_forward, forward / forward_return_lse (whose arguments set
 the call's causal mode, positional encoding, window, soft cap and scales, defaults included, as FlashInfer's do),
 run_return_lse, end_forward. SGLang's FlashInfer backend calls forward() with these arguments."""
+import numpy as np
 import pytest
 import torch
 
@@ -158,8 +159,12 @@ def test_prefill_plan_takes_flashinfers_split_arguments(device):
         assert torch.equal(_paged(device, b, **kw).run(b.q, b.cache), want)
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match=rf"fixed_split_size={bad} must be a positive int \(KV tokens per "
-                                             rf"chunk\), or -1 or None for the library's choice"):
+                                             rf"chunk; a Python int, not numpy's\), or -1 or None for the library's "
+                                             rf"choice"):
             _paged(device, b, fixed_split_size=bad)
+    with pytest.raises(ValueError, match=r"fixed_split_size=np.int64\(-1\) must be a positive int \(KV tokens per "
+                                         r"chunk; a Python int, not numpy's\)"):
+        _paged(device, b, fixed_split_size=np.int64(-1))
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
     with pytest.raises(ValueError, match="fixed_split_size=True must be a positive int"):
         r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, q_data_type=BF16, fixed_split_size=True)

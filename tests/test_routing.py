@@ -459,6 +459,26 @@ def test_graph_auto_wrapper_held_on_the_bandwidth_kernel_refuses_rope(fake_gpu):
 
 
 @cpu_only
+def test_single_decode_auto_takes_an_fp8_query_to_the_tensor_core_route(fake_gpu, monkeypatch):
+    """Under auto an fp8 query (which the bandwidth kernel does not serve) goes to the tensor-core route whatever
+    use_tensor_cores says, as the batch wrapper's does; backend='triton' takes the flag literally and refuses."""
+    from serveattn import decode as decode_mod
+    fake_gpu(sms=2)
+    monkeypatch.setattr(decode_mod.backends, "resolve", lambda entry, backend, device: "triton")
+    prefill = decode_mod._single_prefill
+    monkeypatch.setattr(decode_mod, "_single_prefill", lambda *a: prefill(*a[:13], "triton", *a[14:]))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(8, 64, generator=gen).to(torch.float8_e4m3fn)
+    k = torch.randn(40, 2, 64, generator=gen).to(torch.float8_e4m3fn)
+    out = serveattn.single_decode_with_kv_cache(q, k, k, use_tensor_cores=False)
+    ref, _ = reference.attention(q.to(torch.float32)[None], k.to(torch.float32), k.to(torch.float32))
+    assert rel_err(out, ref[0]) < 2e-2
+    with pytest.raises(NotImplementedError, match="an fp8 query is served on the tensor-core route only; pass "
+                                                  "use_tensor_cores=True"):
+        serveattn.single_decode_with_kv_cache(q, k, k, use_tensor_cores=False, backend="triton")
+
+
+@cpu_only
 def test_single_decode_use_tensor_cores_true_is_a_hint_under_auto(fake_gpu, monkeypatch):
     """single_decode_with_kv_cache asks the same table as the batch wrapper (one request) under auto."""
     from serveattn import decode as decode_mod
