@@ -26,7 +26,7 @@ from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
 from .prefill import _single_prefill, split_paged_cache
-from .prefill import _Variants, _cache_views, _pair_views, _plain_run, _run_extras
+from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -180,12 +180,6 @@ def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int]
     work = np.stack([req, lo, hi, slot, kv_start[req], kv[req], first_slot[req], slots_per_req[req]], 1)
     return (work.reshape(-1).astype(np.int32), int(req.size), first_slot.astype(np.int32),
             slots_per_req.astype(np.int32), int(slots_per_req.sum()))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return policy.cuda_properties(device)[1]
-    return 2  # the interpreter: a small target still exercises splitting
 
 
 class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):

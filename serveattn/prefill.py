@@ -656,12 +656,6 @@ class _Variants:
                 wrapper._plan = plan
 
 
-def _workspace_bytes(workspace: torch.Tensor) -> int:
-    """The bytes split-KV's partial states may use (policy.workspace_room: none of a strided or misaligned
-    workspace, whose plans stay unsplit)."""
-    return policy.workspace_room(workspace)
-
-
 def _check_signature(entry: str, plan: Plan, signature, first) -> None:
     if (plan.static_signature() if signature is None else signature) != first:
         policy.refuse(entry, "under use_cuda_graph=True a re-plan may change only the batch's lengths and "
@@ -749,7 +743,7 @@ class _PrefillWrapper(WorkspaceAccessors):
         # tensor-core route, whose batches may be few long requests)
         self._graph_split_kv = False
         self._split_views = None  # ((heads, head dim), split-KV's partial-state views of the workspace)
-        self._workspace_bytes = _workspace_bytes(float_workspace_buffer)
+        self._workspace_bytes = policy.workspace_room(float_workspace_buffer)  # 0: plans stay unsplit
         self._graph_q_rows: Optional[int] = None
         self._held: Optional[routing.Decision] = None  # under use_cuda_graph: the first plan's route
         self._variants = _Variants()  # the plan under forward()'s settings
@@ -763,7 +757,7 @@ class _PrefillWrapper(WorkspaceAccessors):
     def _drop_plans(self) -> None:
         """reset_workspace_buffer: the plan (and its forward() variants) and split-KV's views of the old workspace
         go."""
-        self._workspace_bytes = _workspace_bytes(self._workspace)
+        self._workspace_bytes = policy.workspace_room(self._workspace)
         self._plan = self._split_views = None
         self._variants = _Variants()
 
