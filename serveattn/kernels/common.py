@@ -73,16 +73,17 @@ def vt_column(n):
 ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
-# SERVEATTN_DECODE_K_OPERAND (on by default; =0 restores the round trip. Session 31, H100: fp8-KV decode 1.69 ->
-# 1.84x our bf16 at 64x8192 and 128x4096, bf16 unchanged, fp8 bitwise its dequantized run; the bandwidth kernel's
-# chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree on the tensor-core
-# route to rounding, not bitwise): the bandwidth decode kernel widens an fp8 K tile inside the mma
+# SERVEATTN_DECODE_K_OPERAND=1 (off by default until an H200 shows bf16 decode keeps its 4.3 TB/s under it: its q
+# takes the fp8 tile's operand layout too. Sessions 31 and 32, H100: fp8-KV decode 1.69 -> 1.84x our bf16 at
+# 64x8192 and 128x4096, bf16 unchanged, fp8 bitwise its dequantized run, the GPU suite passes with it on; the
+# bandwidth kernel's chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree
+# on the tensor-core route to rounding, not bitwise): the bandwidth decode kernel widens an fp8 K tile inside the mma
 # operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
 # load of the fp8 tile, so K skips the bf16 round trip) and gives a 16-bit cache's q.K^T the same operand layout
 # (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and bits. V keeps its
 # round trip. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's K, more issue in both dtypes.
 # Never under the interpreter (its inline asm does not run there).
-_K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "1") == "1"
+_K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "0") == "1"
 K_OPERAND: tl.constexpr = tl.constexpr(_K_OPERAND and not INTERPRET.value)
 
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
