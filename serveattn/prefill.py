@@ -386,9 +386,14 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
-        # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv): its every plan keeps
-        # split items (split or not: the captured kernel is the split one)
-        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or graph_split_kv)
+        # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv) and the
+        # warp-specialized kernel would not take the plan (chain verify k=64 ran 1.7x slower on split items than on
+        # it, session 31), or where fixed_split_size asks for chunks (batch invariance: the eager plan's bits): its
+        # every plan keeps split items (split or not: the captured kernel is the split one). That kernel's answer
+        # rests on what a graph wrapper holds fixed (dtypes, tiles sized for its rows, page size, flags), so all
+        # its plans answer alike.
+        items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or (
+            graph_split_kv and (split[0] is not None or not _warp_specialized(plan, kv_lens, True))))
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
                             warp_specialized=lambda: _warp_specialized(plan, kv_lens, graph_tiles)) \
             if items else None
@@ -933,8 +938,9 @@ class _PrefillWrapper(WorkspaceAccessors):
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:
         reason = routing.cudnn_failed_at_run()
-        routing.log.warning("serveattn on %s: %s (%s: %s)", plan.device, reason, type(exc).__name__,
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        if routing.remember_cudnn_failure(plan.device, plan.decision):
+                routing.log.warning("serveattn on %s: %s (%s: %s)", plan.device, reason, type(exc).__name__,
+                                str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         decision = routing.Decision("triton", reasons=plan.decision.reasons + (reason,))
         self._plan = plan = replace(plan, backend="triton", decision=decision)
         self.backend, self.backend_fallback_reason = plan.backend, decision.reason

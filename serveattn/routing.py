@@ -418,6 +418,12 @@ def cudnn_failed_at_run() -> str:
     return "cudnn: cuDNN raised at run(); this plan runs on our kernel from then on."
 
 
+@_producer
+def cudnn_failed_before() -> str:
+    return ("cudnn: cuDNN raised at run() on a plan of this shape earlier in this process; our kernel serves it "
+            "(one warning per shape).")
+
+
 # The bandwidth kernel's tile holds a request's draft rows x the KV group's query heads (one tile per KV head).
 BANDWIDTH_MAX_ROWS = 32
 
@@ -617,6 +623,8 @@ class Decision:
     backend: str
     kernel: Optional[str] = None
     reasons: Tuple[str, ...] = ()
+    # a cuDNN decision keeps its request: a failure at run() is remembered by it (remember_cudnn_failure)
+    request: Optional[Request] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def reason(self) -> Optional[str]:
@@ -643,6 +651,19 @@ def forced(prefill: Optional[str] = None, decode: Optional[str] = None):
 
 
 _warned: set = set()
+
+# (device, request) of auto plans on which cuDNN raised at run(): later plans of that shape stay on our kernel, so
+# a serving loop that re-plans every step does not retry (and warn about) the failing call each time
+_cudnn_failed: set = set()
+
+
+def remember_cudnn_failure(device, decision: Decision) -> bool:
+    """Records that cuDNN raised on ``decision``'s request; True the first time (the caller warns then)."""
+    key = (str(device), decision.request)
+    if decision.request is None or key in _cudnn_failed:
+        return decision.request is None
+    _cudnn_failed.add(key)
+    return True
 
 
 def warn_once(device, reason: str) -> None:
@@ -680,8 +701,10 @@ def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
     if why_triton is not None:
         return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
     why = cudnn_declines(req) or cudnn_slower(req) or _vendor_declines(req, device)
+    if why is None and (str(device), req) in _cudnn_failed:
+        why = cudnn_failed_before()
     if why is None:
-        return _auto_done(device, Decision(CUDNN))
+        return _auto_done(device, Decision(CUDNN, request=req))
     return _auto_done(device, Decision(TRITON, reasons=(why,)))
 
 

@@ -2,7 +2,9 @@
 
 Random numbers. Each call draws its random numbers on the host side as int64 values in [0, 2^31) with
 `torch.randint` (from `generator`, or a generator seeded from `seed`/`offset`, or torch's default one):
-one acceptance uniform per draft position (u = value * 2^-31) and one more for the final token. The Triton
+one acceptance uniform per draft position (u = (value >> 7) * 2^-24: its top 24 bits, exact in float32, so u < 1
+and a draft token with q == p is always accepted; value * 2^-31 rounded the largest values to 1.0) and one more
+for the final token. The Triton
 kernel and the torch path consume the same numbers and return the same tokens, bitwise; the same seed
 gives the same tokens on every call (`deterministic` is accepted for FlashInfer's sake: every path here is
 deterministic).
@@ -22,7 +24,7 @@ import torch
 from . import backend as _backend
 from . import policy
 
-_TWO_POW_M31 = 2.0 ** -31
+_TWO_POW_M24 = 2.0 ** -24
 _TWO_POW_32 = 2.0 ** 32
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -225,7 +227,7 @@ def _chain_torch(draft_probs, draft_token_ids, target_probs, bits):
     ids = draft_token_ids.long()
     q = draft_probs.gather(2, ids[:, :, None])[:, :, 0]
     p = target_probs[:, :n].gather(2, ids[:, :, None])[:, :, 0]
-    u = bits[:, :n].to(torch.float32) * _TWO_POW_M31
+    u = (bits[:, :n] >> 7).to(torch.float32) * _TWO_POW_M24
     ok = u * q < p
     accepted = ok.sum(dim=1).to(torch.int32)
     take = ok.to(torch.int32).cumprod(dim=1).bool()
@@ -343,7 +345,7 @@ def _tree_torch(draft_probs, ids, target_probs, parents, bits):
         z = torch.zeros(0, dtype=torch.int32, device=device)
         return out, z, z, nodes
     rows = torch.arange(B, device=device)
-    u_all = bits[:, :T].to(torch.float32) * _TWO_POW_M31
+    u_all = (bits[:, :T] >> 7).to(torch.float32) * _TWO_POW_M24
 
     # The alignment metric: every node's plain test against its parent's target row.
     if T:

@@ -25,14 +25,16 @@ def _junit(tmp_path, failures):
                     for i, m in enumerate(failures))
     path = tmp_path / "junit.xml"
     path.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
-    return subprocess.run(["python3", os.path.join(ROOT, "scripts", "oom_failures.py"), str(path)],
-                          capture_output=True, text=True, timeout=60).stdout.split()
+    done = subprocess.run(["python3", os.path.join(ROOT, "scripts", "oom_failures.py"), str(path)],
+                          capture_output=True, text=True, timeout=60)
+    return done.stdout.split(), done.returncode
 
 
 def test_tests_step_reruns_only_out_of_memory_failures(tmp_path):
-    """scripts/oom_failures.py, which the tests step asks: the failed ids only when every failure ran out of CUDA
-    memory (an H100's 78 GiB under 16 workers); any other failure, or none, and nothing is rerun."""
+    """scripts/oom_failures.py, which the tests step asks: the ids of failures that ran out of CUDA memory (an
+    H100's 78 GiB under 16 workers) are rerun; exit status 1 says other failures stand whatever the rerun gives."""
     oom = "torch.OutOfMemoryError: CUDA out of memory"
-    assert _junit(tmp_path, [oom, None, oom]) == ["tests/test_x.py::test_0[a-b]", "tests/test_x.py::test_2[a-b]"]
-    assert _junit(tmp_path, [oom, "AssertionError: assert 0 > 0"]) == []
-    assert _junit(tmp_path, [None, None]) == []
+    assert _junit(tmp_path, [oom, None, oom]) == (["tests/test_x.py::test_0[a-b]", "tests/test_x.py::test_2[a-b]"], 0)
+    assert _junit(tmp_path, [oom, "AssertionError: assert 0 > 0"]) == (["tests/test_x.py::test_0[a-b]"], 1)
+    assert _junit(tmp_path, ["AssertionError: assert 0 > 0"]) == ([], 1)
+    assert _junit(tmp_path, [None, None]) == ([], 0)

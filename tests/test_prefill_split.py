@@ -177,6 +177,39 @@ def test_graph_replans_keep_split_items(mode, device, monkeypatch):
     assert any(splits) and not all(splits), splits
 
 
+def test_graph_plans_the_warp_specialized_kernel_takes_keep_plain_items(device, monkeypatch):
+    """Under use_cuda_graph=True a decode tensor-core plan the warp-specialized kernel would take (asked with
+    graphed=True; faked here, the CPU has no such kernel) keeps the plain work list, never split items, whatever
+    the batch: its captured kernel stays that kernel (chain verify k=64 ran 1.7x slower on split items, session
+    31); the run still matches the reference."""
+    monkeypatch.setattr(prefill, "SPLIT_PROGRAMS_PER_SM", 8)
+    asked = []
+    monkeypatch.setattr(prefill, "_warp_specialized", lambda plan, kv_lens, graphed: asked.append(graphed) or True)
+    gen = torch.Generator().manual_seed(31)
+    i32 = dict(dtype=torch.int32, device=device)
+    cache = torch.randn(60, 2, 16, 2, 64, generator=gen).to(torch.bfloat16).to(device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(1 << 22, dtype=torch.uint8, device=device), use_cuda_graph=True, use_tensor_cores=True,
+        backend="triton", paged_kv_indptr_buffer=torch.empty(3, **i32), paged_kv_indices_buffer=torch.empty(60, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(2, **i32))
+    for kv_lens in ([700, 40], [900, 3]):  # each would split (see test_graph_replans_keep_split_items)
+        pages = [-(-n // 16) for n in kv_lens]
+        perm = torch.randperm(60, generator=gen)[: sum(pages)].to(torch.int32)
+        indptr = torch.tensor([0] + np.cumsum(pages).tolist(), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * 16 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        w.plan(indptr.to(device), perm.to(device), last.to(device), 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               q_len_per_req=2)
+        plan = w._prefill._plan
+        assert plan.merge_rows is None and plan.split is None and plan.num_merge == 0
+        q = torch.randn(4, 8, 64, generator=gen).to(torch.bfloat16).to(device)
+        out = nan_like(q.shape, torch.bfloat16, device)
+        w.run(q, cache, out=out)
+        ref_out, _ = reference.batch_paged(q, cache, torch.tensor([0, 2, 4], dtype=torch.int32), indptr, perm, last,
+                                           causal=True)
+        assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    assert asked and all(asked)
+
+
 def test_split_rule_and_work_list():
     tiles = prefill.TileConfig(16, 64, 4, 2)
     kv = np.array([8192]); qo = np.array([1])

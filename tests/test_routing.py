@@ -58,6 +58,7 @@ def dec(**kw):
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     monkeypatch.setattr(routing, "_warned", set())
+    monkeypatch.setattr(routing, "_cudnn_failed", set())
     monkeypatch.setitem(routing.TABLES, (9, 0), H200)
 
 
@@ -99,6 +100,15 @@ def _cudnn_failed_at_run(monkeypatch, fake_gpu):
     return w.backend_fallback_reason
 
 
+def _cudnn_failed_before(monkeypatch, fake_gpu):
+    _cudnn_failed_at_run(monkeypatch, fake_gpu)
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    _, _, _, indptr = _ragged([8, 8], BF16)
+    w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16)
+    assert w.backend == "triton"
+    return w.backend_fallback_reason
+
+
 # producer name -> (what triggers it, the producer's arguments)
 TRIGGERS = {
     "triton_needs_cuda": (lambda mp, fg: routing.triton_declines(pf(device_type="cpu")), ()),
@@ -130,6 +140,7 @@ TRIGGERS = {
                                               _prefill_reason(_rows(MIN_ROWS + 16)))[1],
                               (MIN_ROWS + 16, H200.prefill_table)),
     "cudnn_failed_at_run": (lambda mp, fg: _cudnn_failed_at_run(mp, fg), ()),
+    "cudnn_failed_before": (lambda mp, fg: _cudnn_failed_before(mp, fg), ()),
     "cudnn_batch_invariant": (lambda mp, fg: routing.cudnn_declines(pf(batch_invariant=True)), ()),
     "crossover_batch_invariant": (lambda mp, fg: _decode_reason(dec(batch=64, batch_invariant=True)),
                                   ("tensor-core",)),
@@ -397,6 +408,26 @@ def test_cudnn_failure_at_run_falls_back_with_the_same_numbers(monkeypatch, fake
                                                               backend="triton")
     explicit.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16)
     assert torch.equal(out, explicit.run(q, k, v))  # the fallback is our kernel, bit for bit
+
+
+@cpu_only
+def test_cudnn_failure_is_remembered_per_shape(monkeypatch, fake_gpu, caplog):
+    """A serving loop re-plans every step: after cuDNN raised once, plans of that shape stay on our kernel (one
+    warning, no retry); another shape still takes cuDNN."""
+    with caplog.at_level("WARNING", logger=routing.log.name):
+        _cudnn_failed_at_run(monkeypatch, fake_gpu)
+        failures = [r for r in caplog.records if routing.cudnn_failed_at_run() in r.getMessage()]
+        assert len(failures) == 1
+        q, k, v, indptr = _ragged([8, 8], BF16)
+        for _ in range(3):
+            w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+            w.plan(indptr, indptr, 4, 2, 64, causal=True, q_data_type=BF16)
+            assert (w.backend, w.backend_fallback_reason) == ("triton", routing.cudnn_failed_before())
+            w.run(q, k, v)
+        assert len([r for r in caplog.records if "cudnn: cuDNN raised" in r.getMessage()]) == 2  # + failed_before once
+    _, _, _, other = _ragged([12, 12], BF16)
+    w.plan(other, other, 4, 2, 64, causal=True, q_data_type=BF16)
+    assert w.backend == "cudnn"
 
 
 def _decode_batch(batch, seed=3, kv_max=300):

@@ -278,6 +278,25 @@ def test_deterministic_and_seeded():
     assert all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_draft_token_with_q_equal_to_p_is_always_accepted(backend):
+    """u takes the draw's top 24 bits (exact in float32): u < 1 even for the largest draws, which as value * 2^-31
+    rounded to 1.0 and rejected a token with q == p (acceptance probability 1). The generator is positioned on
+    such a draw: 2147483633, past 2^31 - 64. The Triton kernel runs on CUDA where there is one (the interpreter
+    on CPU); the draws come from the CPU generator either way."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    p = torch.full((4,), 0.25, device=device)
+    g = torch.Generator().manual_seed(0)
+    torch.randint(0, 1 << 31, (3270768,), dtype=torch.int64, generator=g)  # to the high draw
+    peek = torch.Generator()
+    peek.set_state(g.get_state())
+    assert int(torch.randint(0, 1 << 31, (1,), dtype=torch.int64, generator=peek)) >= (1 << 31) - 64
+    out, accepted, emitted = chain_speculative_sampling(p.expand(1, 1, 4).contiguous(),
+                                                        torch.tensor([[2]], dtype=torch.int32, device=device),
+                                                        p.expand(1, 2, 4).contiguous(), generator=g, backend=backend)
+    assert out.device.type == device and accepted.tolist() == [1] and emitted.tolist() == [1] and out[0, 0] == 2
+
+
 def test_seed_and_offset_pairs_name_streams_of_their_own():
     """(seed, offset) pairs are mixed, not added: (1, 0) and (0, 1_000_003) once drew the same numbers."""
     args = _chain_args()

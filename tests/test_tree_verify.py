@@ -6,8 +6,9 @@ import torch
 
 import serveattn
 from serveattn import reference
+from serveattn.kernels.common import K_OPERAND
 from serveattn.spec_tree import tree_ancestor_bits
-from helpers import check_lse, make_paged_batch, nan_like, rel_err
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 
@@ -97,7 +98,11 @@ def test_a_path_equals_chain_verify(use_tensor_cores, device):
                                                      use_tensor_cores=use_tensor_cores, backend="triton")
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, D, PAGE, q_data_type=b.q.dtype, q_len_per_req=k)
     chain_out, chain_lse = w.run(b.q, b.cache, return_lse=True)
-    assert torch.equal(out, chain_out) and torch.equal(lse, chain_lse)
+    if use_tensor_cores or not K_OPERAND.value:  # one kernel (prefill_kernel), or the same k-slots: bitwise
+        assert torch.equal(out, chain_out) and torch.equal(lse, chain_lse)
+    else:  # the chain on the bandwidth kernel, whose q.K^T takes the fp8 tile's k-slots (common.K_OPERAND)
+        assert rel_err(out, chain_out) < tolerance(torch.bfloat16)
+        check_lse(lse, chain_lse)
 
 
 def test_a_branching_tree_differs_from_the_chain_route(device):

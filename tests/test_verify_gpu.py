@@ -37,7 +37,7 @@ def _reference(q, cache, table, sizes, trees, k_scale, v_scale):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("mode", ["chain4", "chain4-bandwidth", "tree16"])
+@pytest.mark.parametrize("mode", ["chain4", "chain4-bandwidth", "tree16", "chain64"])
 def test_verify_graph_replays_after_replans(mode, kv_dtype):
     gen = torch.Generator().manual_seed(5)
     batch, num_pages = 16, 12000
@@ -50,26 +50,28 @@ def test_verify_graph_replays_after_replans(mode, kv_dtype):
         ws, use_cuda_graph=True, use_tensor_cores=mode != "chain4-bandwidth", backend="triton",
         paged_kv_indptr_buffer=torch.empty(batch + 1, **i32), paged_kv_indices_buffer=torch.empty(num_pages, **i32),
         paged_kv_last_page_len_buffer=torch.empty(batch, **i32))
-    rows = 4 if mode.startswith("chain4") else 16
+    rows = {"chain4": 4, "chain4-bandwidth": 4, "tree16": 16, "chain64": 64}[mode]
     q = torch.randn(batch * rows, HQ, D, generator=gen).to(torch.bfloat16).cuda()
     out = torch.empty_like(q)
     lse = torch.empty(batch * rows, HQ, dtype=torch.float32, device="cuda")
 
     def plan(kv_lens):
         table = _table(gen, kv_lens, num_pages)
-        trees = None if mode.startswith("chain4") else [_random_tree(gen, rows) for _ in range(batch)]
+        trees = None if mode.startswith("chain") else [_random_tree(gen, rows) for _ in range(batch)]
         kw = dict(q_len_per_req=rows) if trees is None else dict(tree_parents=trees)
         w.plan(*table, HQ, HKV, D, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, **kw)
         return table, trees
 
     table, trees = plan([int(x) for x in torch.randint(rows, 3000, (batch,), generator=gen)])
+    if mode == "chain64" and kv_dtype == torch.bfloat16:  # the warp-specialized kernel's plan: no split items
+        assert w._prefill._plan.merge_rows is None
     w.run(q, cache, out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         w.run(q, cache, out=out, lse=lse, return_lse=True, k_scale=k_scale, v_scale=v_scale)
     for step, kv_max in enumerate([3000, 40, 9000]):
-        table, trees = plan([int(x) for x in torch.randint(rows, kv_max + 1, (batch,), generator=gen)])
+        table, trees = plan([int(x) for x in torch.randint(rows, max(kv_max, rows) + 1, (batch,), generator=gen)])
         assert (w._prefill is None) == (mode == "chain4-bandwidth")
         q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
         out.fill_(float("nan"))

@@ -73,11 +73,12 @@ def vt_column(n):
 ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
-# SERVEATTN_DECODE_K_OPERAND=1 (measuring, off by default; session 31, H100: fp8-KV decode 1.69 -> 1.84x our bf16 at
-# 64x8192 and 128x4096, bf16 unchanged, fp8 bitwise its dequantized run; held back because the bandwidth kernel's
-# chain verify then no longer equals the tensor-core route's path-shaped tree bitwise: branch next/k-operand-default):
-# the bandwidth decode kernel widens an fp8 K tile inside the
-# mma operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
+# SERVEATTN_DECODE_K_OPERAND=1 (off by default until an H200 shows bf16 decode keeps its 4.3 TB/s under it: its q
+# takes the fp8 tile's operand layout too. Sessions 31 and 32, H100: fp8-KV decode 1.69 -> 1.84x our bf16 at
+# 64x8192 and 128x4096, bf16 unchanged, fp8 bitwise its dequantized run, the GPU suite passes with it on; the
+# bandwidth kernel's chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree
+# on the tensor-core route to rounding, not bitwise): the bandwidth decode kernel widens an fp8 K tile inside the mma
+# operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
 # load of the fp8 tile, so K skips the bf16 round trip) and gives a 16-bit cache's q.K^T the same operand layout
 # (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and bits. V keeps its
 # round trip. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's K, more issue in both dtypes.

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 TWO_POW_32: tl.constexpr = tl.constexpr(4294967296.0)
-TWO_POW_M31: tl.constexpr = tl.constexpr(4.656612873077393e-10)  # 2^-31, exact in float32
+TWO_POW_M24: tl.constexpr = tl.constexpr(5.960464477539063e-08)  # 2^-24: u = top 24 bits, exact in float32, < 1
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def chain_speculative_sampling_kernel(draft_ptr, ids_ptr, target_ptr, rand_ptr, 
         tok = tl.load(ids_ptr + b * n + i).to(tl.int64)
         q = tl.load(draft + i * V + tok)
         p = tl.load(target + i * V + tok)
-        u = tl.load(rand + i).to(tl.float32) * TWO_POW_M31
+        u = (tl.load(rand + i) >> 7).to(tl.float32) * TWO_POW_M24
         ok = u * q < p
         accepted += ok.to(tl.int32)
         take = ok & (running != 0)
