@@ -699,13 +699,27 @@ def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
         return _forced_prefill(entry, forced_route, req, device)
     why_triton = triton_declines(req)
     if why_triton is not None:
-        return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
+        return _auto_done(device, _torch_fallback(entry, req, why_triton))
     why = cudnn_declines(req) or cudnn_slower(req) or _vendor_declines(req, device)
     if why is None and (str(device), req) in _cudnn_failed:
         why = cudnn_failed_before()
     if why is None:
         return _auto_done(device, Decision(CUDNN, request=req))
     return _auto_done(device, Decision(TRITON, reasons=(why,)))
+
+
+def _torch_fallback(entry: str, req: Request, why_triton: str) -> Decision:
+    """The torch route where our kernels cannot serve; refused where it cannot either (a CUDA graph on a GPU below
+    sm 8.0: the captured graph would replay the first plan's shapes)."""
+    if torch_declines(req) is not None:
+        policy.unsupported(entry, no_graph_route(why_triton))
+    return Decision(TORCH, reasons=(why_triton,))
+
+
+def no_graph_route(why_triton: str) -> str:
+    return (f"under use_cuda_graph=True backend='auto' has no route for this plan: the Triton kernels cannot serve "
+            f"it ({why_triton}), and the torch route cannot be captured (its per-request loop runs on the host); "
+            f"construct the wrapper with use_cuda_graph=False.")
 
 
 def _vendor_declines(req: Request, device) -> Optional[str]:
@@ -748,7 +762,7 @@ def choose_decode(entry: str, backend: str, req: Request, device, held: Optional
         return _forced_decode(entry, forced_route, req)
     why_triton = triton_declines(req)
     if why_triton is not None:
-        return _auto_done(device, Decision(TORCH, reasons=(why_triton,)))
+        return _auto_done(device, _torch_fallback(entry, req, why_triton))
     why_bandwidth = bandwidth_declines(req)
     if why_bandwidth is not None:
         return _auto_done(device, Decision(TRITON, TENSOR_CORE, (why_bandwidth,)))

@@ -201,6 +201,13 @@ def test_prefill_choices(monkeypatch):
         d = choose(req)
         assert d.backend == "triton" and d.reason == reason
     assert choose(pf(arch=(7, 5))) == routing.Decision("torch", reasons=(routing.triton_needs_sm80(),))
+    # under CUDA graphs there is no route on such a GPU: the torch route cannot be captured
+    with pytest.raises(NotImplementedError, match=r"^t: under use_cuda_graph=True backend='auto' has no route .*"
+                                                  r"compute capability 8\.0.*use_cuda_graph=False\.$"):
+        choose(pf(arch=(7, 5), use_cuda_graph=True))
+    with pytest.raises(NotImplementedError, match="has no route for this plan"):
+        routing.choose_decode("t", "auto", dec(arch=(7, 5), use_cuda_graph=True), "cuda:0")
+    assert choose(pf(device_type="cpu", use_cuda_graph=True)).backend == "torch"  # nothing to capture on the CPU
     assert choose(pf(device_type="cpu")) == routing.Decision("torch", reasons=(routing.triton_needs_cuda(),))
     # torch's own check is asked last, on the device: on a CPU build it is never capable
     d = routing.choose_prefill("t", "auto", PF, "cpu")
