@@ -31,9 +31,18 @@ _ID_DTYPES = (torch.int32, torch.int64)
 
 # ---------------------------------------------------------------- validation and random numbers
 
+def _check_dense(entry: str, name: str, t: torch.Tensor) -> None:
+    """Sparse, nested and meta tensors reach no kernel: torch's own error would name none of the arguments."""
+    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        policy.unsupported(entry, f"{name} is a {kind} tensor on {t.device}; dense (strided) tensors holding data "
+                                  f"are served.")
+
+
 def _check_probs(entry: str, name: str, t, dims: int = 3) -> None:
     if not isinstance(t, torch.Tensor):
         policy.refuse(entry, f"{name} must be a float32 torch.Tensor, got {type(t).__name__}.")
+    _check_dense(entry, name, t)
     if t.dim() != dims:
         policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; expected a {dims}-D tensor "
                              f"[batch_size, num_tokens, vocab_size].")
@@ -46,6 +55,7 @@ def _check_probs(entry: str, name: str, t, dims: int = 3) -> None:
 def _check_ids(entry: str, name: str, t, shape, vocab: int, device) -> None:
     if not isinstance(t, torch.Tensor):
         policy.refuse(entry, f"{name} must be an int32 or int64 torch.Tensor, got {type(t).__name__}.")
+    _check_dense(entry, name, t)
     if t.dtype not in _ID_DTYPES:
         policy.refuse(entry, f"{name} has dtype {t.dtype}; token ids must be int32 or int64.")
     if tuple(t.shape) != tuple(shape):
@@ -65,27 +75,35 @@ def _check_counter(entry: str, name: str, t, batch: int, device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
         desc = f"shape {tuple(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         policy.refuse(entry, f"{name} has {desc}; expected an int32 tensor of shape ({batch},).")
+    _check_dense(entry, name, t)
     if t.device != device:
         policy.refuse(entry, f"{name} is on {t.device}; expected {device}.")
 
 
-def _seed_value(entry: str, name: str, value) -> Optional[int]:
+def _seed_value(entry: str, name: str, value, batch: int) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        integer = not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool)
+        if integer and value.dim() == 1 and value.numel() == batch > 1:
+            # FlashInfer's per-request form (one value per request, for CUDA graphs): valid, not served here
+            policy.unsupported(entry, f"{name} holds {batch} per-request values; one {name} per call is served "
+                                      f"(a Python int or a one-element integer tensor).")
+        if value.numel() != 1 or not integer:
             policy.refuse(entry, f"{name} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; "
                                  f"expected a Python int or a one-element integer tensor.")
-        return int(value.item())
-    if not policy.is_int(value):
+        value = int(value.item())
+    elif not policy.is_int(value):
         policy.refuse(entry, f"{name}={value!r} must be a Python int or a one-element integer tensor.")
+    if value < 0:
+        policy.refuse(entry, f"{name}={value} is negative; expected an int >= 0.")
     return value
 
 
 def _random_bits(entry: str, shape, device, generator, seed, offset) -> torch.Tensor:
     """int64 values in [0, 2^31) of `shape` on `device`."""
-    seed = _seed_value(entry, "seed", seed)
-    offset = _seed_value(entry, "offset", offset)
+    seed = _seed_value(entry, "seed", seed, shape[0])
+    offset = _seed_value(entry, "offset", offset, shape[0])
     if generator is not None and (seed is not None or offset is not None):
         given = " and ".join(n for n, v in (("seed", seed), ("offset", offset)) if v is not None)
         policy.refuse(entry, f"generator and {given} were both given; pass a generator, or a seed (and offset).")
@@ -308,6 +326,7 @@ def tree_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.
     if not isinstance(tree_parents, torch.Tensor) or tree_parents.dtype not in _ID_DTYPES:
         desc = tree_parents.dtype if isinstance(tree_parents, torch.Tensor) else type(tree_parents).__name__
         policy.refuse(entry, f"tree_parents has type {desc}; expected an int32 or int64 tensor of shape {(B, T)}.")
+    _check_dense(entry, "tree_parents", tree_parents)
     if tuple(tree_parents.shape) != (B, T):
         policy.refuse(entry, f"tree_parents has shape {tuple(tree_parents.shape)}; expected {(B, T)}.")
     if tree_parents.device != device:

@@ -343,6 +343,20 @@ def _chain_args():
      "maybe_output_accepted_token_num has shape"),
     (lambda a: a.update(maybe_output_emitted_draft_token_num=torch.zeros(3, dtype=torch.int32)), ValueError,
      "maybe_output_emitted_draft_token_num has shape"),
+    # numpy's seeding once answered these with its own sentence, naming neither the entry point nor the argument
+    (lambda a: a.update(seed=-1), ValueError, r"^chain_speculative_sampling: seed=-1 is negative"),
+    (lambda a: a.update(seed=1, offset=torch.tensor([-5])), ValueError,
+     r"^chain_speculative_sampling: offset=-5 is negative"),
+    # FlashInfer's per-request seeds (one per request) are valid there: not served, not called a wrong argument
+    (lambda a: a.update(seed=torch.arange(4), offset=torch.zeros(4, dtype=torch.int64)), NotImplementedError,
+     "seed holds 4 per-request values; one seed per call is served"),
+    # torch's dispatcher errors (sparse, nested) and Tensor.item() on meta named no argument
+    (lambda a: a.update(draft_probs=a["draft_probs"].to_sparse()), NotImplementedError,
+     r"draft_probs is a sparse_coo tensor on cpu; dense \(strided\) tensors"),
+    (lambda a: a.update(draft_token_ids=a["draft_token_ids"].to_sparse()), NotImplementedError,
+     "draft_token_ids is a sparse_coo tensor"),
+    (lambda a: a.update({k: v.to("meta") for k, v in a.items()}), NotImplementedError,
+     "draft_probs is a strided tensor on meta; dense"),
 ])
 def test_chain_refusals(change, exc, match):
     args = _chain_args()
@@ -367,6 +381,10 @@ def test_tree_refusals():
         tree_speculative_sampling(d, ids, t[:, :3], good)
     with pytest.raises(NotImplementedError, match="float32"):
         tree_speculative_sampling(d.double(), ids, t, good)
+    with pytest.raises(NotImplementedError, match="tree_parents is a sparse_coo tensor"):
+        tree_speculative_sampling(d, ids, t, good.to_sparse())
+    with pytest.raises(ValueError, match=r"^tree_speculative_sampling: seed=-7 is negative"):
+        tree_speculative_sampling(d, ids, t, good, seed=-7)
 
 
 # ---------------------------------------------------------------- the tree mask
