@@ -118,7 +118,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         k_scale = _check_scale(entry, "k_scale", k_scale, device)
         v_scale = _check_scale(entry, "v_scale", v_scale, device)
     if device.type == "cpu":
-        _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size)
+        _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, num_pages,
+                       page_size)
     chosen = _backend.resolve(entry, backend, device)
     if nnz == 0:
         return
@@ -185,10 +186,17 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size):
-    """Host-side value checks: every token lands in a page its request owns, and pages exist."""
+def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, num_pages, page_size):
+    """Host-side value checks: the page table is well formed, every token lands in a page its request owns,
+    and pages exist."""
     ip = kv_indptr.long()
     policy.check_indptr(entry, "kv_indptr", ip, total=kv_indices.numel())
+    last = kv_last_page_len.long()
+    bad = ((ip[1:] - ip[:-1]) > 0) & ((last < 1) | (last > page_size))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        policy.refuse(entry, f"kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+                             f"for a request that owns pages.")
     used = kv_indices[: int(ip[-1])].long()
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())

@@ -474,6 +474,9 @@ def fp8_scales(k_scale, v_scale):
     (changed(positions=first_to(99)), ValueError, r"positions\[0\]=99 for request 0, which owns 1 pages"),
     (changed(batch_indices=first_to(2)), ValueError, r"batch_indices holds 2; requests are numbered 0..1"),
     (changed(kv_indices=first_to(50)), ValueError, r"kv_indices holds page 50 outside the cache's"),
+    (changed(kv_last_page_len=first_to(0)), ValueError,
+     r"kv_last_page_len\[0\]=0; it must lie in 1..page_size=4 for a request that owns pages"),
+    (changed(kv_last_page_len=first_to(5)), ValueError, r"kv_last_page_len\[0\]=5; it must lie in 1..page_size=4"),
     (changed(backend=lambda _: "cuda"), ValueError, r"backend='cuda' is not a backend"),
 ])
 def test_append_refusals(setup, mutate, error, match):
