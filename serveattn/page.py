@@ -249,6 +249,12 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     for name, out in (("batch_indices", batch_indices), ("positions", positions)):
         if out is not None:
             policy.check_tensor(entry, name, out, (nnz,), torch.int32, device)
+            # the results are written after the inputs are read, the positions after the batch indices
+            others = (("append_indptr", append_indptr), ("seq_lens", seq_lens)) + \
+                ((("batch_indices", batch_indices),) if name == "positions" and batch_indices is not None else ())
+            for other_name, other in others:
+                if policy.overlaps(out, other):
+                    policy.refuse(entry, f"{name} overlaps {other_name}; pass the results in memory of their own.")
     if device.type == "cpu":
         ip = append_indptr.long()
         policy.check_indptr(entry, "append_indptr", ip)

@@ -501,6 +501,22 @@ def test_index_helper_refusals():
         page.get_seq_lens(append_indptr, seq_lens, 0)
 
 
+def test_index_helper_refuses_overlapping_result_buffers():
+    """The results are written after the inputs are read (positions after batch_indices): one buffer passed as both,
+    or one over an input, would return silently wrong indices."""
+    append_indptr = torch.tensor([0, 1, 3], dtype=I32)
+    seq_lens = torch.tensor([5, 5], dtype=I32)
+    buf = torch.empty(3, dtype=I32)
+    with pytest.raises(ValueError, match=r"get_batch_indices_positions: positions overlaps batch_indices; pass the "
+                                         r"results in memory of their own"):
+        page.get_batch_indices_positions(append_indptr, seq_lens, 3, buf, buf)
+    with pytest.raises(ValueError, match=r"batch_indices overlaps append_indptr"):
+        page.get_batch_indices_positions(append_indptr, seq_lens, 3, append_indptr[:3], None)
+    out = torch.empty(6, dtype=I32)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, seq_lens, 3, out[:3], out[3:])
+    assert batch_indices.tolist() == [0, 1, 1] and positions.tolist() == [4, 3, 4]
+
+
 def test_packbits_refusals():
     x = torch.tensor([1, 0, 1], dtype=torch.bool)
     with pytest.raises(ValueError, match=r"segment_packbits: bitorder='LE' is not a bit order"):
