@@ -221,6 +221,17 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_la
         policy.refuse(entry, f"positions[{int(live.nonzero()[t])}]={int(pos[t])} for request {int(b[t])}, which "
                              f"owns {int(owned[t])} pages of {page_size} slots; a position must lie in "
                              f"0..pages*page_size-1.")
+    # two tokens bound for one slot (a repeated position, or requests sharing a page) would race: which one the
+    # cache keeps would depend on the launch, not the inputs
+    slots = kv_indices.long()[ip[b] + pos // page_size] * page_size + pos % page_size
+    order = torch.sort(slots, stable=True).indices
+    same = slots[order[1:]] == slots[order[:-1]]
+    if bool(same.any()):
+        j = int(same.nonzero()[0])
+        first, second = (int(live.nonzero()[int(order[j + k])]) for k in (0, 1))
+        slot = int(slots[order[j]])
+        policy.refuse(entry, f"appended tokens {first} and {second} both go to page {slot // page_size}, slot "
+                             f"{slot % page_size}; each slot takes at most one token per call.")
 
 
 def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,
