@@ -215,6 +215,8 @@ class MultiLevelCascadeAttentionWrapper:
                     buf_arrs.values())},
                 backend=backend)
             for i in range(num_levels)]
+        for level in self._levels:  # a level's run() refusal names this wrapper's run, the entry the caller used
+            level._entry = entry
         self._num_levels = num_levels
         self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph

@@ -118,7 +118,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         k_scale = _check_scale(entry, "k_scale", k_scale, device)
         v_scale = _check_scale(entry, "v_scale", v_scale, device)
     if device.type == "cpu":
-        _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size)
+        _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, num_pages,
+                       page_size)
     chosen = _backend.resolve(entry, backend, device)
     if nnz == 0:
         return
@@ -185,10 +186,17 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_pages, page_size):
-    """Host-side value checks: every token lands in a page its request owns, and pages exist."""
+def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, num_pages, page_size):
+    """Host-side value checks: the page table is well formed, every token lands in a page its request owns,
+    and pages exist."""
     ip = kv_indptr.long()
     policy.check_indptr(entry, "kv_indptr", ip, total=kv_indices.numel())
+    last = kv_last_page_len.long()
+    bad = ((ip[1:] - ip[:-1]) > 0) & ((last < 1) | (last > page_size))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        policy.refuse(entry, f"kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+                             f"for a request that owns pages.")
     used = kv_indices[: int(ip[-1])].long()
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
@@ -213,6 +221,17 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, num_p
         policy.refuse(entry, f"positions[{int(live.nonzero()[t])}]={int(pos[t])} for request {int(b[t])}, which "
                              f"owns {int(owned[t])} pages of {page_size} slots; a position must lie in "
                              f"0..pages*page_size-1.")
+    # two tokens bound for one slot (a repeated position, or requests sharing a page) would race: which one the
+    # cache keeps would depend on the launch, not the inputs
+    slots = kv_indices.long()[ip[b] + pos // page_size] * page_size + pos % page_size
+    order = torch.sort(slots, stable=True).indices
+    same = slots[order[1:]] == slots[order[:-1]]
+    if bool(same.any()):
+        j = int(same.nonzero()[0])
+        first, second = (int(live.nonzero()[int(order[j + k])]) for k in (0, 1))
+        slot = int(slots[order[j]])
+        policy.refuse(entry, f"appended tokens {first} and {second} both go to page {slot // page_size}, slot "
+                             f"{slot % page_size}; each slot takes at most one token per call.")
 
 
 def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,
@@ -241,6 +260,12 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     for name, out in (("batch_indices", batch_indices), ("positions", positions)):
         if out is not None:
             policy.check_tensor(entry, name, out, (nnz,), torch.int32, device)
+            # the results are written after the inputs are read, the positions after the batch indices
+            others = (("append_indptr", append_indptr), ("seq_lens", seq_lens)) + \
+                ((("batch_indices", batch_indices),) if name == "positions" and batch_indices is not None else ())
+            for other_name, other in others:
+                if policy.overlaps(out, other):
+                    policy.refuse(entry, f"{name} overlaps {other_name}; pass the results in memory of their own.")
     if device.type == "cpu":
         ip = append_indptr.long()
         policy.check_indptr(entry, "append_indptr", ip)

@@ -424,3 +424,21 @@ def test_cascade_refusals(device):
         w.run(q, b.cache[:top])
     with pytest.raises(ValueError, match="lse has dtype torch.float16"):
         w.run(q, b.cache, lse=torch.zeros(6, 4, dtype=torch.float16), return_lse=True)
+
+
+@pytest.mark.parametrize("num_levels", [1, 2])
+def test_cascade_run_refusals_name_the_cascade_entry(num_levels, device):
+    """run()'s checks are made by the levels (paged prefill wrappers); their sentences name the entry the caller
+    used, MultiLevelCascadeAttentionWrapper.run, not the wrapper inside."""
+    q, b, arr = _two_level(device)
+    w = cascade.MultiLevelCascadeAttentionWrapper(num_levels, torch.empty(1 << 16, dtype=torch.uint8, device=device))
+    w.plan(*(a[-num_levels:] for a in (arr["qo"], arr["indptr"], arr["indices"], arr["last"])), 4, 2, 64, 4)
+    entry = r"^MultiLevelCascadeAttentionWrapper\.run: "
+    with pytest.raises(ValueError, match=entry + r"q has dtype torch.bfloat16; expected torch.float16"):
+        w.run(q.bfloat16(), b.cache)
+    with pytest.raises(ValueError, match=entry + r"k cache has dtype torch.bfloat16 but the plan declared"):
+        w.run(q, b.cache.bfloat16())
+    with pytest.raises(ValueError, match=entry + r"k_scale=-1.0 must be a positive finite float"):
+        w.run(q, b.cache, k_scale=-1.0)
+    with pytest.raises(ValueError, match=entry + r"out has dtype torch.float32; expected torch.float16"):
+        w.run(q, b.cache, out=torch.empty(q.shape, device=device))

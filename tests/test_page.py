@@ -474,6 +474,11 @@ def fp8_scales(k_scale, v_scale):
     (changed(positions=first_to(99)), ValueError, r"positions\[0\]=99 for request 0, which owns 1 pages"),
     (changed(batch_indices=first_to(2)), ValueError, r"batch_indices holds 2; requests are numbered 0..1"),
     (changed(kv_indices=first_to(50)), ValueError, r"kv_indices holds page 50 outside the cache's"),
+    (changed(positions=first_to(2)), ValueError,
+     r"appended tokens 0 and 1 both go to page \d+, slot 2; each slot takes at most one token per call"),
+    (changed(kv_last_page_len=first_to(0)), ValueError,
+     r"kv_last_page_len\[0\]=0; it must lie in 1..page_size=4 for a request that owns pages"),
+    (changed(kv_last_page_len=first_to(5)), ValueError, r"kv_last_page_len\[0\]=5; it must lie in 1..page_size=4"),
     (changed(backend=lambda _: "cuda"), ValueError, r"backend='cuda' is not a backend"),
 ])
 def test_append_refusals(setup, mutate, error, match):
@@ -496,6 +501,22 @@ def test_index_helper_refusals():
         page.get_seq_lens(append_indptr, seq_lens.long(), 16)
     with pytest.raises(ValueError, match=r"page_size=0 must be a positive int"):
         page.get_seq_lens(append_indptr, seq_lens, 0)
+
+
+def test_index_helper_refuses_overlapping_result_buffers():
+    """The results are written after the inputs are read (positions after batch_indices): one buffer passed as both,
+    or one over an input, would return silently wrong indices."""
+    append_indptr = torch.tensor([0, 1, 3], dtype=I32)
+    seq_lens = torch.tensor([5, 5], dtype=I32)
+    buf = torch.empty(3, dtype=I32)
+    with pytest.raises(ValueError, match=r"get_batch_indices_positions: positions overlaps batch_indices; pass the "
+                                         r"results in memory of their own"):
+        page.get_batch_indices_positions(append_indptr, seq_lens, 3, buf, buf)
+    with pytest.raises(ValueError, match=r"batch_indices overlaps append_indptr"):
+        page.get_batch_indices_positions(append_indptr, seq_lens, 3, append_indptr[:3], None)
+    out = torch.empty(6, dtype=I32)
+    batch_indices, positions = page.get_batch_indices_positions(append_indptr, seq_lens, 3, out[:3], out[3:])
+    assert batch_indices.tolist() == [0, 1, 1] and positions.tolist() == [4, 3, 4]
 
 
 def test_packbits_refusals():
@@ -544,3 +565,17 @@ def test_append_refusal_names_the_index_past_padding():
         page.append_paged_kv_cache(key, key, torch.tensor([-1, 0], **i32), torch.tensor([0, 99], **i32), cache,
                                    torch.tensor([4, 1, 2], **i32), torch.tensor([0, 2, 3], **i32),
                                    torch.tensor([2, 4], **i32), backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_refuses_two_tokens_for_one_slot_of_a_shared_page(backend):
+    """Two requests that share a page (prefix sharing) and append at one position would race for its slot: the cache
+    would keep whichever write landed last. The sentence names the tokens' own indices (padding counted)."""
+    i32 = dict(dtype=torch.int32)
+    cache = torch.zeros(4, 2, 4, 2, 64, dtype=torch.float16)
+    key = torch.randn(3, 2, 64, dtype=torch.float16)
+    args = (torch.tensor([0, -1, 1], **i32), torch.tensor([5, 0, 5], **i32), cache, torch.tensor([1, 3, 2, 3], **i32),
+            torch.tensor([0, 2, 4], **i32), torch.tensor([2, 2], **i32))
+    with pytest.raises(ValueError, match=r"appended tokens 0 and 2 both go to page 3, slot 1"):
+        page.append_paged_kv_cache(key, key, *args, backend=backend)
+    assert not cache.any()
