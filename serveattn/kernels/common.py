@@ -73,9 +73,10 @@ def vt_column(n):
 ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
-# SERVEATTN_DECODE_K_OPERAND=1 (off by default until an H200 shows bf16 decode keeps its 4.3 TB/s under it: its q
-# takes the fp8 tile's operand layout too. Sessions 31 and 32, H100: fp8-KV decode 1.69 -> 1.84x our bf16 at
-# 64x8192 and 128x4096, bf16 unchanged, fp8 bitwise its dequantized run, the GPU suite passes with it on; the
+# SERVEATTN_DECODE_K_OPERAND=1 (off by default: on the H200, session 32, fp8-KV decode 1.17 -> 1.55x our bf16 at
+# 64x8192 and 128x4096 but bf16 decode 4.34 -> 4.27 TB/s, under issue 6's 4.3, since its q takes the fp8 tile's
+# operand layout too; H100: fp8 1.69 -> 1.84x, bf16 unchanged; fp8 bitwise its dequantized run, the GPU suite
+# passes with it on; README tells fp8-cache deployments to set it; the
 # bandwidth kernel's chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree
 # on the tensor-core route to rounding, not bitwise): the bandwidth decode kernel widens an fp8 K tile inside the mma
 # operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
