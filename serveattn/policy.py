@@ -428,6 +428,20 @@ def fold_q_scale(entry: str, q_scale, k_scale, descales_given: bool = False):
     return k_scale * q_scale if positive_f32(k_scale) else k_scale  # a bad k_scale: check_scales refuses it
 
 
+_UNIT_DESCALES: dict = {}
+
+
+def _unit_descale(device: torch.device) -> torch.Tensor:
+    """A float32 one on `device`, made once (a fill launch per call otherwise); never written. Not kept when made
+    during a CUDA graph capture (its memory would belong to that graph's pool)."""
+    unit = _UNIT_DESCALES.get(device)
+    if unit is None:
+        unit = torch.ones(1, dtype=torch.float32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _UNIT_DESCALES[device] = unit
+    return unit
+
+
 def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None,
                    q_dtype: Optional[torch.dtype] = None, device=None, num_qo_heads: int = 0,
                    num_kv_heads: int = 0):
@@ -448,7 +462,7 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
     for name, s, heads in (("scale_q", scale_q, num_qo_heads), ("scale_k", scale_k, num_kv_heads),
                            ("scale_v", scale_v, num_kv_heads)):
         if s is None:
-            s = torch.ones(1, dtype=torch.float32, device=device)
+            s = _unit_descale(torch.device(device))
         elif not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or \
                 s.numel() not in (1, heads):
             shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__

@@ -281,3 +281,23 @@ def test_fp8_key_order_is_a_permutation_and_off_still_serves():
                           "transposed_v or calibrated_against_bf16"], capture_output=True, text=True, env=env,
                          timeout=900, cwd=root)
     assert run.returncode == 0, run.stdout[-3000:]
+
+
+def test_missing_descales_are_ones_made_once(device):
+    """A descale not given is a float32 one, made once per device (not a fill launch per call); a given one is
+    the caller's tensor. The same call without scale_q equals it with scale_q = 1."""
+    from serveattn import policy
+    e4m3 = torch.float8_e4m3fn
+    first = policy.check_descales("t", q_dtype=e4m3, device=device, num_qo_heads=8, num_kv_heads=2)
+    again = policy.check_descales("t", q_dtype=e4m3, device=device, num_qo_heads=8, num_kv_heads=2)
+    assert all(a is b for a, b in zip(first, again)) and all(a.tolist() == [1.0] for a in first)
+    given = torch.full((2,), 0.5, device=device)
+    assert policy.check_descales("t", scale_k=given, scale_v=given, q_dtype=e4m3, device=device,
+                                 num_qo_heads=8, num_kv_heads=2)[1] is given
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, 64, generator=gen) for n, h in ((16, 8), (40, 2), (40, 2)))
+    (q8, _), (k8, sk), (v8, sv) = (_quantize(x, e4m3, False) for x in (q, k, v))
+    args = [t.to(device) for t in (q8, k8, v8)]
+    out, _ = _single(*args, None, sk.to(device), sv.to(device))
+    ones, _ = _single(*args, torch.ones(1, device=device), sk.to(device), sv.to(device))
+    assert torch.equal(out, ones)
