@@ -106,14 +106,14 @@ def check_q_dtype(entry: str, dtype: torch.dtype, name: str = "q", kv_dtype: Opt
 def check_kv_dtype(entry: str, kv_dtype: torch.dtype, q_dtype: torch.dtype, name: str = "kv") -> None:
     if kv_dtype in FP8_DTYPES:
         return  # an fp8 cache under a 16-bit query: dequantized on load, exactly
-    if kv_dtype not in HALF_DTYPES:
-        _unsupported_dtype(entry, name, kv_dtype)
+    if kv_dtype not in HALF_DTYPES:  # a KV cache may also be fp8: the sentence lists both
+        _unsupported_dtype(entry, name, kv_dtype, HALF_DTYPES + FP8_DTYPES)
     if kv_dtype != q_dtype:
         unsupported(entry, f"{name} dtype {kv_dtype} differs from the query dtype {q_dtype}; "
                            f"a 16-bit KV cache must have the query's dtype.")
 
 
-def _unsupported_dtype(entry: str, name: str, dtype: torch.dtype) -> None:
+def _unsupported_dtype(entry: str, name: str, dtype: torch.dtype, served=None) -> None:
     text = str(dtype)
     if "fnuz" in text:
         why = "the AMD fnuz fp8 encodings are not served (use float8_e4m3fn or float8_e5m2)"
@@ -123,7 +123,7 @@ def _unsupported_dtype(entry: str, name: str, dtype: torch.dtype) -> None:
         why = "float32 inputs are not served"
     else:
         why = "this dtype is not served"
-    unsupported(entry, f"{name} dtype {dtype}: {why}; supported: {_names(HALF_DTYPES)}.")
+    unsupported(entry, f"{name} dtype {dtype}: {why}; supported: {_names(served or HALF_DTYPES)}.")
 
 
 def check_o_dtype(entry: str, o_dtype: torch.dtype) -> None:

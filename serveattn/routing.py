@@ -742,8 +742,9 @@ def _forced_prefill(entry: str, route: str, req: Request, device) -> Decision:
 def choose_decode(entry: str, backend: str, req: Request, device, held: Optional[Decision] = None) -> Decision:
     """The route of a decode plan. Explicit backends take ``use_tensor_cores`` literally (trees, and chains of
     more rows than the bandwidth kernel's tile holds, run on tensor cores, as documented; ROPE on the bandwidth
-    kernel is refused). Under ``auto``, ``use_tensor_cores=True`` is honoured and ``False`` lets the table choose
-    between the two kernels."""
+    kernel is refused). Under ``auto``, ``use_tensor_cores`` is a hint (decode_tensor_cores): ``True`` is taken
+    where the table has no measurement and overruled where it measured the bandwidth kernel faster; ``False``
+    lets the table choose between the two kernels."""
     policy.check_backend(entry, backend)
     if backend != "auto":
         chosen = _explicit(entry, backend, device)

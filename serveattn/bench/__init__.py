@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m serveattn.bench {prefill,all} [--json PATH] [--quick]``."""
+"""Benchmarks: ``python -m serveattn.bench {prefill,decode,fp8,verify,crossover,all,plot} ...`` (``--help``
+for each)."""

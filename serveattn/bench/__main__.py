@@ -1,4 +1,5 @@
-"""``python -m serveattn.bench {prefill,decode,all} [--json PATH] [--plot DIR] [--quick] [--measure-ceilings] ...``
+"""``python -m serveattn.bench {prefill,decode,fp8,verify,crossover,all} [--json PATH] [--plot DIR] [--quick]
+[--measure-ceilings] ...``
 and ``python -m serveattn.bench plot JSON [JSON ...] [--out docs/plots]`` (charts of saved runs, no GPU).
 
 Each family is a module with ``run(args, ceilings, checkpoint) -> dict`` (keys ``ok`` and ``report``,
