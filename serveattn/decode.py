@@ -705,9 +705,12 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE", use_tensor_cores=False,
                                 q_scale=None, k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
-                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, backend="auto"):
+                                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, backend="auto",
+                                **unsupported_kwargs):
     """One request's decode: q [Hq, D], k/v [kv_len, Hkv, D] (NHD) or [Hkv, kv_len, D] (HND) -> [Hq, D]."""
     entry = "single_decode_with_kv_cache"
+    if unsupported_kwargs:  # FlashInfer's later keywords at their no-op values pass; others are named
+        policy.extra_kwargs(entry, unsupported_kwargs)
     if not isinstance(q, torch.Tensor) or q.dim() != 2:
         policy.refuse(entry, f"q must be a 2-D [num_qo_heads, head_dim] tensor, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")

@@ -468,3 +468,14 @@ def test_audit_refusals_name_the_entry_called_and_graph_buffers_are_int32(device
                                                               torch.empty(8, **i32), torch.empty(2, **i32))
     w = serveattn.MultiLevelCascadeAttentionWrapper(2, _ws(device))
     assert all(callable(getattr(w, n)) for n in ("run_return_lse", "forward_return_lse", "end_forward"))
+
+
+def test_single_decode_names_an_unknown_keyword(device):
+    """single_decode_with_kv_cache, like the other entry points: FlashInfer's later keywords at their no-op value
+    pass; any other keyword is refused by name (not a bare TypeError)."""
+    k, v = (torch.randn(30, 2, 64, dtype=F16, device=device) for _ in range(2))
+    q = torch.randn(4, 64, dtype=F16, device=device)
+    plain = serveattn.single_decode_with_kv_cache(q, k, v, backend="triton")
+    assert torch.equal(plain, serveattn.single_decode_with_kv_cache(q, k, v, backend="triton", sinks=None))
+    with pytest.raises(NotImplementedError, match=r"^single_decode_with_kv_cache: argument\(s\) out are not served\.$"):
+        serveattn.single_decode_with_kv_cache(q, k, v, backend="triton", out=torch.empty_like(q))
