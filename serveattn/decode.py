@@ -309,10 +309,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             policy.unsupported(entry, "pos_encoding_mode='ROPE_LLAMA' is served on the tensor-core route only, and "
                                       "this wrapper's route is the bandwidth kernel (under use_cuda_graph=True its "
                                       "first plan's); apply RoPE before the call, or build a wrapper for RoPE plans.")
-        kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size)
+        kv_lens, ip = policy.page_table(entry, indptr, indices, last_page_len, page_size, policy.DECODE_TABLE_NAMES)
         if q_len_per_req > 1:  # a chain: its k draft tokens are the last k KV positions
             policy.check_causal_lengths(entry, np.full(kv_lens.size, q_len_per_req), kv_lens)
-        max_page = policy.max_page(entry, policy.host_view(indices)[: int(ip[-1])])
+        max_page = policy.max_page(entry, policy.host_view(indices)[: int(ip[-1])], "indices")
         plan = make_decode_plan(entry, self.device, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
                                 window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, sm_scale,
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_start=ip[:-1],
@@ -342,7 +342,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
         tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
         goes to the prefill planner as numpy: this plan's own, valid by construction (make_plan)."""
-        policy.check_index(entry, "paged_kv_indptr", indptr, min_len=1)
+        policy.check_index(entry, "indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
         if tree is not None:
             sizes, words = tree
@@ -367,6 +367,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             wrapper = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout, self._use_cuda_graph,
                                                           backend=route, **kw)
             wrapper._entry = self._entry
+            wrapper._table_names = policy.DECODE_TABLE_NAMES
             wrapper._graph_max_qo = max_rows
             wrapper._graph_split_kv = True  # under CUDA graphs: few long requests split as eager plans do
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
@@ -694,8 +695,8 @@ def _check_run(entry, plan, q, k, v, out, lse, k_scale, v_scale, kv_layout):
             policy.refuse(entry, f"{name} must have a contiguous last dimension.")
     policy.check_same_pages(entry, k, v)
     if plan.max_page >= k.shape[0]:
-        policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's {k.shape[0]} "
-                             f"pages.")
+        policy.refuse(entry, f"indices (given to plan()) refers to page {plan.max_page}, beyond the cache's "
+                             f"{k.shape[0]} pages.")
     if out is not None:
         policy.check_tensor(entry, "out", out, q.shape, plan.o_dtype, plan.device)
     if lse is not None:

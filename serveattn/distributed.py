@@ -83,7 +83,7 @@ def shard_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len:
     the request's last page, page_size for an earlier non-empty shard, and 0 for an empty one.
     """
     entry = SHARD_ENTRY
-    policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size)
+    policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size, names=policy.DECODE_TABLE_NAMES)
     for name, value in (("world_size", world_size), ("rank", rank)):
         if not policy.is_int(value):
             policy.refuse(entry, f"{name}={value!r} must be an int.")
@@ -396,7 +396,8 @@ class ContextParallelDecode:
                                       f"global positions); only window_left=-1.")
         policy.check_heads(entry, num_qo_heads, num_kv_heads)
         policy.check_head_dim(entry, head_dim)
-        kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size).numpy()
+        kv_lens = policy.paged_kv_lens(entry, indptr, indices, last_page_len, page_size,
+                                       names=policy.DECODE_TABLE_NAMES).numpy()
         q_dtype, kv_dtype, o_dtype = policy.decode_dtypes(
             entry, q_data_type, kv_data_type, o_data_type,
             "an fp8 query is not served across ranks; an fp8 KV cache under a 16-bit query is (kv_data_type with "

@@ -303,26 +303,33 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     return host_view(t).astype(np.int64)
 
 
+# the page table's argument names in sentences: FlashInfer's prefill wrappers' spellings, and its decode wrapper's
+PREFILL_TABLE_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+DECODE_TABLE_NAMES = ("indptr", "indices", "last_page_len")
+
+
 def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-               page_size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Validates a CSR page table on the host; returns (kv_len per request, the indptr), int64 numpy.
+               page_size: int, names: Tuple[str, str, str] = PREFILL_TABLE_NAMES) -> Tuple[np.ndarray, np.ndarray]:
+    """Validates a CSR page table on the host; returns (kv_len per request, the indptr), int64 numpy. `names`:
+    the three arguments' names as the caller's entry point spells them.
 
     numpy, not torch, and few numpy calls (each costs about a microsecond on 256 entries): a cheap test of the
     whole table first, the sentence-producing checks only where it fails."""
     if not is_int(page_size) or page_size < 1:
         refuse(entry, f"page_size={page_size!r} must be a positive int.")
-    check_index(entry, "paged_kv_indptr", indptr, min_len=1)
-    check_index(entry, "paged_kv_indices", indices)
-    check_index(entry, "paged_kv_last_page_len", last_page_len)
+    indptr_name, indices_name, last_name = names
+    check_index(entry, indptr_name, indptr, min_len=1)
+    check_index(entry, indices_name, indices)
+    check_index(entry, last_name, last_page_len)
     batch = indptr.numel() - 1
     if last_page_len.numel() != batch:
-        refuse(entry, f"paged_kv_last_page_len has {last_page_len.numel()} entries for a batch of {batch} "
-                      f"(paged_kv_indptr has {indptr.numel()}).")
+        refuse(entry, f"{last_name} has {last_page_len.numel()} entries for a batch of {batch} "
+                      f"({indptr_name} has {indptr.numel()}).")
     ip = host_array(indptr)
     pages = ip[1:] - ip[:-1]  # int64 from int32: no overflow, so a decrease is a negative count
     fewest = int(np.minimum.reduce(pages)) if batch else 0
     if int(ip[0]) != 0 or fewest < 0 or int(ip[-1]) > indices.numel():
-        check_indptr(entry, "paged_kv_indptr", ip, total=indices.numel())  # raises the failing check's sentence
+        check_indptr(entry, indptr_name, ip, total=indices.numel())  # raises the failing check's sentence
     last = host_view(last_page_len)
     if fewest > 0 and int(np.minimum.reduce(last)) >= 1 and int(np.maximum.reduce(last)) <= page_size:
         kv_lens = (pages - 1) * page_size + last  # every request owns pages (decode's common case)
@@ -330,7 +337,7 @@ def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_pag
         bad = (pages > 0) & ((last < 1) | (last > page_size))
         if bad.any():
             i = int(bad.nonzero()[0][0])
-            refuse(entry, f"paged_kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
+            refuse(entry, f"{last_name}[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
                           f"for a request that owns pages.")
         kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
     return kv_lens, ip
@@ -339,27 +346,28 @@ def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_pag
 _INT32_MAX = 2 ** 31 - 1  # np.iinfo(np.int32).max, which costs microseconds per call
 
 
-def max_page(entry: str, used: np.ndarray) -> int:
+def max_page(entry: str, used: np.ndarray, name: str = "paged_kv_indices") -> int:
     """The largest page index of a page table's used part (int32), -1 if it is empty; a negative index is refused.
     One reduction: viewed unsigned, a negative index is larger than any valid one."""
     if not used.size:
         return -1
     top = int(np.maximum.reduce(used.view(np.uint32)))
     if top > _INT32_MAX:
-        refuse(entry, f"paged_kv_indices holds a negative page index ({int(used.min())}).")
+        refuse(entry, f"{name} holds a negative page index ({int(used.min())}).")
     return top
 
 
 def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-                  page_size: int, num_pages: Optional[int] = None) -> torch.Tensor:
+                  page_size: int, num_pages: Optional[int] = None,
+                  names: Tuple[str, str, str] = PREFILL_TABLE_NAMES) -> torch.Tensor:
     """Validates a CSR page table on the host (page_table), pages against num_pages where given; returns kv_len
     per request (CPU int64)."""
-    kv_lens, ip = page_table(entry, indptr, indices, last_page_len, page_size)
+    kv_lens, ip = page_table(entry, indptr, indices, last_page_len, page_size, names)
     if num_pages is not None and indices.numel():
         idx = host_array(indices)[: int(ip[-1])]
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= num_pages):
             bad_page = int(idx.max()) if int(idx.max()) >= num_pages else int(idx.min())
-            refuse(entry, f"paged_kv_indices holds page {bad_page} outside the cache's {num_pages} pages.")
+            refuse(entry, f"{names[1]} holds page {bad_page} outside the cache's {num_pages} pages.")
     return torch.from_numpy(kv_lens)
 
 

@@ -11,7 +11,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -274,7 +274,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               q_data_type, kv_data_type, o_data_type, device, backend, graph_tiles: bool,
               graph_max_qo: Optional[int] = None, graph_split_kv: bool = False,
               tree_mask: Optional[torch.Tensor] = None, held: Optional[routing.Decision] = None,
-              workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False) -> Plan:
+              workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False,
+              table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
@@ -321,11 +322,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             policy.check_indptr(entry, "qo_indptr", qo_np)  # raises the failing check's sentence
     batch = qo_np.size - 1
     if paged:
-        kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size)
+        kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size, table_names)
         idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
         # the plan's own copy: a caller may rewrite its page table after plan() (the torch route reads this)
         idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
-        max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])])
+        max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])], table_names[1])
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
         kv_np = policy.host_array(kv_indptr)
@@ -1005,6 +1006,7 @@ class _PrefillWrapper(WorkspaceAccessors):
 class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     """Prefill over a paged KV cache (FlashInfer's wrapper of the same name)."""
     _entry = "BatchPrefillWithPagedKVCacheWrapper"
+    _table_names = policy.PREFILL_TABLE_NAMES  # the decode wrapper's inner one says indptr, indices, last_page_len
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
@@ -1049,7 +1051,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, device=self.device,
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, tree_mask=tree_mask, held=self._held,
-            workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant)
+            workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant,
+            table_names=self._table_names)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
@@ -1088,8 +1091,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                                          f"expects [num_pages, {', '.join(map(str, want))}].")
             policy.check_same_pages(entry, k, v)
             if plan.max_page >= k.shape[0]:
-                policy.refuse(entry, f"paged_kv_indices refers to page {plan.max_page}, beyond the cache's "
-                                     f"{k.shape[0]} pages.")
+                policy.refuse(entry, f"{self._table_names[1]} (given to plan()) refers to page {plan.max_page}, "
+                                     f"beyond the cache's {k.shape[0]} pages.")
         return self._run(q, k, v, out, lse, return_lse, k_scale, v_scale, descales)
 
     run_return_lse = functools.partialmethod(run, return_lse=True)

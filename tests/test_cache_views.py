@@ -47,7 +47,8 @@ def test_cache_changed_in_place_is_split_anew(kind, device):
     with pytest.raises(ValueError, match="k cache has dtype torch.bfloat16 but the plan declared torch.float16"):
         w.run(b.q, cache)
     cache.data = cache.view(torch.float16)[:2]  # too few pages for the page table
-    with pytest.raises(ValueError, match="paged_kv_indices refers to page \\d+, beyond the cache's 2 pages"):
+    with pytest.raises(ValueError,
+                       match="indices \\(given to plan\\(\\)\\) refers to page \\d+, beyond the cache's 2 pages"):
         w.run(b.q, cache)
 
 

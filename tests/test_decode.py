@@ -254,7 +254,7 @@ def test_rejected_decode_plan_leaves_previous_plan(device):
                                          r"states need \d+ bytes"):
         tiny.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
                   fixed_split_size=128)
-    with pytest.raises(ValueError, match="paged_kv_last_page_len\\[1\\]=17"):
+    with pytest.raises(ValueError, match="plan: last_page_len\\[1\\]=17"):
         w.plan(b.kv_indptr, torch.flip(b.kv_indices, [0]), torch.tensor([3, 17], dtype=torch.int32, device=device),
                4, 4, 64, 16, q_data_type=torch.float16)
     assert torch.equal(before, w.run(b.q, b.cache))
@@ -330,7 +330,7 @@ DECODE_PLAN_REFUSALS = [
     ("head_dim", "head_dim", NotImplementedError, "head_dim=80 is not served", (False, True)),
     ("split", dict(fixed_split_size=0), ValueError, "fixed_split_size=0 must be a positive int", (False, True)),
     ("int64", "int64", ValueError, "must be int32", (False, True)),
-    ("last_page_len", "last17", ValueError, "paged_kv_last_page_len\\[1\\]=17", (False, True)),
+    ("last_page_len", "last17", ValueError, "plan: last_page_len\\[1\\]=17", (False, True)),
     ("kv_dtype", dict(kv_data_type=torch.bfloat16), NotImplementedError, "differs from the query dtype",
      (False, True)),
     ("window", dict(window_left=-2), ValueError, "window_left=-2", (False, True)),

@@ -103,7 +103,7 @@ def test_cuda_graph_replay_with_changing_page_tables(use_tensor_cores):
     # a rejected re-plan with another page table leaves the captured state replayable as it was
     bad_indptr, bad_indices, bad_last = _table(gen, [100] * batch, num_pages)
     bad_last[5] = 17
-    with pytest.raises(ValueError, match="paged_kv_last_page_len\\[5\\]=17"):
+    with pytest.raises(ValueError, match="plan: last_page_len\\[5\\]=17"):
         w.plan(bad_indptr, bad_indices, bad_last, hq, hkv, d, ps, q_data_type=torch.bfloat16)
     with pytest.raises(ValueError, match="use_cuda_graph=True"):
         w.plan(*table, hq, hkv, d, ps, q_data_type=torch.bfloat16, logits_soft_cap=5.0)

@@ -80,7 +80,7 @@ SHARD_REFUSALS = [
     ("counts_negative", dict(world_size=2, rank=0, pages_per_rank=[[3, -1], [1, 0]]), "negative page count"),
     ("counts_float", dict(world_size=2, rank=0, pages_per_rank=torch.ones(2, 2)), "page counts must be integers"),
     ("int64", dict(world_size=2, rank=0, int64=True), "must be int32"),
-    ("last_page_len", dict(world_size=2, rank=0, last=[5, 1]), "paged_kv_last_page_len\\[0\\]=5"),
+    ("last_page_len", dict(world_size=2, rank=0, last=[5, 1]), ": last_page_len\\[0\\]=5"),
 ]
 
 
@@ -214,7 +214,7 @@ PLAN_REFUSALS = [
     ("fp8_query", dict(q_data_type=E4M3, kv_data_type=E4M3), NotImplementedError, "an fp8 query is not served"),
     ("head_dim", dict(head_dim=96), NotImplementedError, "head_dim=96 is not served"),
     ("heads", dict(num_qo_heads=3), ValueError, "num_qo_heads=3 is not a multiple of num_kv_heads=2"),
-    ("int64", dict(indptr="int64"), ValueError, "paged_kv_indptr has dtype torch.int64"),
+    ("int64", dict(indptr="int64"), ValueError, "indptr has dtype torch.int64"),
     ("short_for_verify", dict(q_len_per_req=3), ValueError,
      "q_len_per_req=3 needs kv_len >= 3 for every request .* request 1 has kv_len=2 over all ranks"),
 ]
@@ -414,7 +414,7 @@ def _cross_rank_refusals(group, rank, world, device):
     _expect(ValueError, r"kv_data_type differs between ranks \(rank 0: bfloat16, rank 1: float8_e4m3fn\)",
             lambda: cp.plan(*shard, *args, q_data_type=torch.bfloat16,
                             kv_data_type=E4M3 if rank else None))
-    _expect(ValueError, "paged_kv_indptr has dtype torch.int64" if rank == 0 else
+    _expect(ValueError, "plan: indptr has dtype torch.int64" if rank == 0 else
             r"rank 0 refused its plan\(\) arguments \(its own error names them\); no rank installed this plan",
             lambda: cp.plan(shard[0].long() if rank == 0 else shard[0], *shard[1:], *args,
                             q_data_type=torch.bfloat16))
