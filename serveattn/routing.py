@@ -659,9 +659,11 @@ _cudnn_failed: set = set()
 
 def remember_cudnn_failure(device, decision: Decision) -> bool:
     """Records that cuDNN raised on ``decision``'s request; True the first time (the caller warns then)."""
+    if decision.request is None:  # an explicit or forced cuDNN route: nothing to remember, warn each time
+        return True
     key = (str(device), decision.request)
-    if decision.request is None or key in _cudnn_failed:
-        return decision.request is None
+    if key in _cudnn_failed:
+        return False
     _cudnn_failed.add(key)
     return True
 
@@ -701,7 +703,7 @@ def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
     if why_triton is not None:
         return _auto_done(device, _torch_fallback(entry, req, why_triton))
     why = cudnn_declines(req) or cudnn_slower(req) or _vendor_declines(req, device)
-    if why is None and (str(device), req) in _cudnn_failed:
+    if why is None and _cudnn_failed and (str(device), req) in _cudnn_failed:  # an empty set: no hash a plan
         why = cudnn_failed_before()
     if why is None:
         return _auto_done(device, Decision(CUDNN, request=req))
