@@ -374,7 +374,9 @@ def test_cascade_refuses_out_over_q(backend, device):
         w.run(q, b.cache, out=q)
     with pytest.raises(ValueError, match="out overlaps q"):
         w.run(q, b.cache, out=q[2:])
-    assert torch.equal(w.run(q, b.cache, out=torch.empty_like(q)), w.run(q, b.cache))
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    w.run(q, b.cache, out=out)
+    assert torch.equal(out, w.run(q, b.cache))
 
 
 @pytest.mark.parametrize("layout", ["NH", "HN"])

@@ -35,7 +35,9 @@ def test_fixed_positions_are_the_plans_objects(monkeypatch, k_scale, device):
     for _ in range(2):  # new q, out and scale objects each call
         q = torch.randn(batch, 8, 64, dtype=torch.bfloat16, device=device)
         scale = torch.full((1,), 0.5, device=device) if k_scale == "tensor" else k_scale
-        w.run(q, cache, k_scale=scale, out=torch.empty_like(q))
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        w.run(q, cache, k_scale=scale, out=out)
+        assert torch.isfinite(out).all()
     (pack, first), (pack2, second) = seen
     assert pack is pack2 and len(first) == len(second) == pack.num_args
     fixed = dict(pack.fixed)

@@ -37,7 +37,8 @@ def test_ragged_plain_checks_refuse_as_before(device):
     w.plan(torch.tensor([0, 4, 12], **i32), torch.tensor([0, 10, 30], **i32), 8, 2, 64, causal=True,
            q_data_type=torch.float16)
     want = w.run(q, k, v)
-    assert torch.equal(w.run(q, k, v, out=torch.empty_like(q)), want)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    assert w.run(q, k, v, out=out) is out and torch.equal(out, want)
     with pytest.raises(ValueError, match="v has shape \\(29, 2, 64\\); the plan \\(NHD\\) expects \\[30, 2, 64\\]"):
         w.run(q, k, v[:29])
     with pytest.raises(ValueError, match="K and V must share one dtype"):
