@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import serveattn
-from serveattn import cascade, decode, page, prefill, torch_impl
+from serveattn import torch_impl
 from serveattn.kernels import attention as attention_kernel
 from serveattn.kernels import decode as decode_kernel
 
@@ -28,6 +28,7 @@ def _paged(kv_dtype, v_dtype, device, batch=2, kv_len=20):
     pages = -(-kv_len // PS)
     k = _tensor((batch * pages, PS, HKV, D), kv_dtype, device)
     v = _tensor((batch * pages, PS, HKV, D), v_dtype, device)
+    # a fixed contiguous table on purpose: every call here is refused on its dtypes before the table is read
     table = (torch.arange(batch + 1, dtype=I32, device=device) * pages,
              torch.arange(batch * pages, dtype=I32, device=device),
              torch.full((batch,), kv_len - (pages - 1) * PS, dtype=I32, device=device))
@@ -239,7 +240,9 @@ SAMPLERS = {
         _probs(device, dtype), torch.zeros(3, 2, dtype=I32, device=device), _probs(device, dtype, n=3),
         torch.tensor([[-1, 0]] * 3, dtype=I32, device=device)),
 }
-MASK_BUILDERS = {"tree_parents_to_mask": lambda: serveattn.tree_parents_to_mask([[-1, 5]], [4])}
+MASK_BUILDERS = {"tree_parents_to_mask": (lambda: serveattn.tree_parents_to_mask([[-1, 5]], [4]),
+                                          r"^tree_parents_to_mask: parents_list\[0\]\[1\]=5; a parent must be -1 "
+                                          r"\(the root\) or an earlier node \(0\.\.0\)\.")}
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -250,8 +253,8 @@ def test_sampler_refusals(dtype, device):
 
 
 def test_mask_builder_refusals():
-    for name, call in MASK_BUILDERS.items():
-        with pytest.raises(ValueError):
+    for name, (call, match) in MASK_BUILDERS.items():
+        with pytest.raises(ValueError, match=match):
             call()
 
 
