@@ -88,8 +88,8 @@ def test_decode_against_reference(dtype, head_dim, split, layout, heads, page_si
 def test_split_counts_agree(device):
     """1, 2 and many chunks all match the reference; each split setting is bitwise repeatable."""
     gen = torch.Generator().manual_seed(21)
-    kv_lens = [300, 5, 129]
-    b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+    kv_lens = [300, 5, 0, 129]  # request 2 empty: its row 0 / -inf under every split
+    b = make_paged_batch(gen, qo_lens=[1] * 4, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                          page_size=16, dtype=torch.bfloat16, device=device)
     ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)

@@ -84,7 +84,8 @@ def _run_route(route, b, cache, kv_dtype, q_dtype, head_dim, layout, k_scale, v_
 @pytest.mark.parametrize("route,enc,head_dim,q_dtype,layout", list(_cases()))
 def test_fp8_cache_equals_dequantized_cache_bitwise(route, enc, head_dim, q_dtype, layout, device):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{route}{enc}{head_dim}".encode()))
-    b = _fp8_batch(gen, enc, q_dtype, head_dim, layout, qo_lens=[5, 3, 7], kv_lens=[40, 77, 7], device=device)
+    b = _fp8_batch(gen, enc, q_dtype, head_dim, layout, qo_lens=[5, 0, 3, 7], kv_lens=[40, 0, 77, 7],
+                   device=device)  # request 1 empty
     wide = b.cache.to(q_dtype)  # exact: every fp8 value is a 16-bit value
     out8, lse8 = _run_route(route, b, b.cache, enc, q_dtype, head_dim, layout, K_SCALE, V_SCALE, device)
     out16, lse16 = _run_route(route, b, wide, q_dtype, q_dtype, head_dim, layout, K_SCALE, V_SCALE, device)

@@ -8,6 +8,7 @@ from helpers import check_lse, make_paged_batch, rel_err
 
 
 def _batch(device, k, kv_lens, dtype=torch.bfloat16):
+    # shuffled pages, partial last pages; no empty request: a chain gives every request k rows, so kv_len >= k
     gen = torch.Generator().manual_seed(40 + k)
     return make_paged_batch(gen, qo_lens=[k] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
                             head_dim=64, page_size=16, dtype=dtype, device=device)
