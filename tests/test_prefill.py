@@ -153,6 +153,30 @@ def test_triton_matches_torch_backend_bitwise_deterministic(device):
     assert rel_err(outs[0], outs[2].double()) < 2e-3
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_run_twice_is_bitwise_identical(causal, device):
+    """The ragged wrapper (random lengths, an empty request) into poisoned caller buffers: fully written, near the
+    reference, and a second run gives the same bits."""
+    gen = torch.Generator().manual_seed(13 + causal)
+    qo_lens, kv_lens = random_lengths(gen, 4, 9, 40, causal)
+    i32 = dict(dtype=torch.int32, device=device)
+    qo_indptr = torch.tensor([0] + torch.cumsum(torch.tensor(qo_lens), 0).tolist(), **i32)
+    kv_indptr = torch.tensor([0] + torch.cumsum(torch.tensor(kv_lens), 0).tolist(), **i32)
+    q = torch.randn(sum(qo_lens), 4, 64, generator=gen).to(torch.bfloat16).to(device)
+    k, v = (torch.randn(sum(kv_lens), 2, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
+                                                       backend="triton")
+    w.plan(qo_indptr, kv_indptr, 4, 2, 64, causal=causal, q_data_type=torch.bfloat16)
+    out, lse = nan_like(q.shape, torch.bfloat16, device), nan_like(q.shape[:2], torch.float32, device)
+    w.run(q, k, v, out=out, lse=lse, return_lse=True)
+    assert not torch.isnan(out).any(), "an output element was not written"
+    ref_out, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=causal)
+    assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    check_lse(lse, ref_lse)
+    out2, lse2 = w.run(q, k, v, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
 def test_rejected_plan_leaves_previous_plan_runnable(device):
     gen = torch.Generator().manual_seed(3)
     b = make_paged_batch(gen, qo_lens=[4, 6], kv_lens=[20, 33], num_qo_heads=4, num_kv_heads=4, head_dim=64,

@@ -278,6 +278,16 @@ def test_deterministic_and_seeded():
     assert all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
+def test_triton_chain_sampling_is_deterministic(device):
+    """The Triton kernel run twice on one seed (and on one generator state): the same bits, counters included."""
+    d, ids, t = (x.to(device) for x in _random_case(12, 3, 37, seed=6))
+    a, b = (chain_speculative_sampling(d, ids, t, seed=7, backend="triton") for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    c, e = (chain_speculative_sampling(d, ids, t, generator=torch.Generator(device).manual_seed(11),
+                                       backend="triton") for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(c, e))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_draft_token_with_q_equal_to_p_is_always_accepted(backend):
     """u takes the draw's top 24 bits (exact in float32): u < 1 even for the largest draws, which as value * 2^-31
