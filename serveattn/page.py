@@ -186,22 +186,13 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_last_page_len(entry, ip, kv_last_page_len, page_size):
-    """Host tables: a request that owns pages fills 1..page_size slots of its last one."""
-    last = kv_last_page_len.long()
-    bad = ((ip[1:] - ip[:-1]) > 0) & ((last < 1) | (last > page_size))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        policy.refuse(entry, f"kv_last_page_len[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
-                             f"for a request that owns pages.")
-
-
 def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, num_pages, page_size):
     """Host-side value checks: the page table is well formed, every token lands in a page its request owns,
     and pages exist."""
     ip = kv_indptr.long()
     policy.check_indptr(entry, "kv_indptr", ip, total=kv_indices.numel())
-    _check_last_page_len(entry, ip, kv_last_page_len, page_size)
+    policy.check_last_page_len(entry, "kv_last_page_len", (ip[1:] - ip[:-1]).numpy(), kv_last_page_len.numpy(),
+                               page_size)
     used = kv_indices[: int(ip[-1])].long()
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
@@ -317,7 +308,8 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
         ip = kv_indptr.long()  # (any start: only differences are read, so a slice of an indptr serves)
         if bool((ip[1:] < ip[:-1]).any()):
             policy.refuse(entry, "kv_indptr decreases somewhere; an indptr must be non-decreasing.")
-        _check_last_page_len(entry, ip, kv_last_page_len, page_size)
+        policy.check_last_page_len(entry, "kv_last_page_len", (ip[1:] - ip[:-1]).numpy(), kv_last_page_len.numpy(),
+                                   page_size)
     pages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (pages - 1) * page_size + kv_last_page_len
     return torch.where(pages > 0, lens, torch.zeros_like(lens)).to(torch.int32)

@@ -334,13 +334,19 @@ def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_pag
     if fewest > 0 and int(np.minimum.reduce(last)) >= 1 and int(np.maximum.reduce(last)) <= page_size:
         kv_lens = (pages - 1) * page_size + last  # every request owns pages (decode's common case)
     else:
-        bad = (pages > 0) & ((last < 1) | (last > page_size))
-        if bad.any():
-            i = int(bad.nonzero()[0][0])
-            refuse(entry, f"{last_name}[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} "
-                          f"for a request that owns pages.")
+        check_last_page_len(entry, last_name, pages, last, page_size)
         kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
     return kv_lens, ip
+
+
+def check_last_page_len(entry: str, name: str, pages: np.ndarray, last: np.ndarray, page_size: int) -> None:
+    """A request that owns pages fills 1..page_size slots of its last one (host arrays: pages per request, and
+    the last page lengths)."""
+    bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        refuse(entry, f"{name}[{i}]={int(last[i])}; it must lie in 1..page_size={page_size} for a request that "
+                      f"owns pages.")
 
 
 _INT32_MAX = 2 ** 31 - 1  # np.iinfo(np.int32).max, which costs microseconds per call

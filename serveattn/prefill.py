@@ -939,8 +939,8 @@ class _PrefillWrapper(WorkspaceAccessors):
 
     def _cudnn_failed(self, plan: Plan, exc: BaseException) -> Plan:
         reason = routing.cudnn_failed_at_run()
-        if routing.remember_cudnn_failure(plan.device, plan.decision):
-                routing.log.warning("serveattn on %s: %s (%s: %s)", plan.device, reason, type(exc).__name__,
+        if routing.remember_cudnn_failure(plan.device, plan.decision):  # one warning per shape
+            routing.log.warning("serveattn on %s: %s (%s: %s)", plan.device, reason, type(exc).__name__,
                                 str(exc).strip().splitlines()[0] if str(exc).strip() else "")
         decision = routing.Decision("triton", reasons=plan.decision.reasons + (reason,))
         self._plan = plan = replace(plan, backend="triton", decision=decision)

@@ -124,6 +124,11 @@ def _random_bits(entry: str, shape, device, generator, seed, offset) -> torch.Te
     return bits.to(device)
 
 
+def _acceptance_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) from draws in [0, 2^31): the top 24 bits, exact in float32 (as the Triton kernel computes it)."""
+    return (bits >> 7).to(torch.float32) * _TWO_POW_M24
+
+
 def _check_flag(entry: str, name: str, value) -> None:
     if not isinstance(value, bool):
         policy.refuse(entry, f"{name}={value!r} must be a bool.")
@@ -245,7 +250,7 @@ def _chain_torch(draft_probs, draft_token_ids, target_probs, bits):
     ids = draft_token_ids.long()
     q = draft_probs.gather(2, ids[:, :, None])[:, :, 0]
     p = target_probs[:, :n].gather(2, ids[:, :, None])[:, :, 0]
-    u = (bits[:, :n] >> 7).to(torch.float32) * _TWO_POW_M24
+    u = _acceptance_uniform(bits[:, :n])
     ok = u * q < p
     accepted = ok.sum(dim=1).to(torch.int32)
     take = ok.to(torch.int32).cumprod(dim=1).bool()
@@ -364,7 +369,7 @@ def _tree_torch(draft_probs, ids, target_probs, parents, bits):
         z = torch.zeros(0, dtype=torch.int32, device=device)
         return out, z, z, nodes
     rows = torch.arange(B, device=device)
-    u_all = (bits[:, :T] >> 7).to(torch.float32) * _TWO_POW_M24
+    u_all = _acceptance_uniform(bits[:, :T])
 
     # The alignment metric: every node's plain test against its parent's target row.
     if T:
