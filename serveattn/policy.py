@@ -445,6 +445,14 @@ def fold_q_scale(entry: str, q_scale, k_scale, descales_given: bool = False):
 _UNIT_DESCALES: dict = {}
 
 
+def _indexed(device) -> torch.device:
+    """`device` with its index: "cuda" is the current CUDA device, so it equals a tensor's cuda:N."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _unit_descale(device: torch.device) -> torch.Tensor:
     """A float32 one on `device`, made once (a fill launch per call otherwise); never written. Not kept when made
     during a CUDA graph capture (its memory would belong to that graph's pool)."""
@@ -472,19 +480,19 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
             refuse(entry, f"{', '.join(given)} apply to an fp8 query; this query is {q_dtype}, and an fp8 KV cache "
                           f"under a 16-bit query takes k_scale/v_scale.")
         return None
-    out = []
+    out, device = [], _indexed(device)
     for name, s, heads in (("scale_q", scale_q, num_qo_heads), ("scale_k", scale_k, num_kv_heads),
                            ("scale_v", scale_v, num_kv_heads)):
         if s is None:
-            s = _unit_descale(torch.device(device))
+            s = _unit_descale(device)
         elif not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or \
                 s.numel() not in (1, heads):
             shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
             refuse(entry, f"{name} has shape {shape}"
                           f"{' and dtype ' + str(s.dtype) if isinstance(s, torch.Tensor) else ''}; a descale is a "
                           f"float32 tensor of shape [1] (per tensor) or [{heads}] (per head).")
-        elif s.device != torch.device(device):
-            refuse(entry, f"{name} is on {s.device}; a descale must be on {torch.device(device)}.")
+        elif s.device != device:
+            refuse(entry, f"{name} is on {s.device}; a descale must be on {device}.")
         out.append(s.contiguous())
     dq, dk, dv = out
     if dk.numel() != dv.numel():  # the kernels read scale_k and scale_v with one stride: both per head, then
