@@ -84,7 +84,7 @@ ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_
 # (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and bits. V keeps its
 # round trip. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's K, more issue in both dtypes.
 # Never under the interpreter (its inline asm does not run there).
-_K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "0") == "1"
+_K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "1") == "1"
 K_OPERAND: tl.constexpr = tl.constexpr(_K_OPERAND and not INTERPRET.value)
 
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
