@@ -226,7 +226,7 @@ def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
 
 
 def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
-    """SERVEATTN_DECODE_K_OPERAND=1 (off by default, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
+    """SERVEATTN_DECODE_K_OPERAND=1 (the default, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
     in q.K^T's operand registers (one bf16 shared buffer fewer: no round trip for K), and the bf16 cache's q.K^T
     takes the very same operand layouts (kWidth 4 both), so the k-slots, hence the bits, stay the dequantized
     run's; P.V is untouched (kWidth 2, V still through its round trip)."""

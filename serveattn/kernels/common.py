@@ -73,17 +73,16 @@ def vt_column(n):
 ROWSUM_MMA: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_FP8_ROWSUM_MMA", "1") == "1")
 ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_kernel (tl.dot's smallest N)
 
-# SERVEATTN_DECODE_K_OPERAND=1 (off by default: on the H200, session 32, fp8-KV decode 1.17 -> 1.55x our bf16 at
-# 64x8192 and 128x4096 but bf16 decode 4.34 -> 4.27 TB/s, under issue 6's 4.3, since its q takes the fp8 tile's
-# operand layout too; H100: fp8 1.69 -> 1.84x, bf16 unchanged; fp8 bitwise its dequantized run, the GPU suite
-# passes with it on; README tells fp8-cache deployments to set it; the
-# bandwidth kernel's chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree
-# on the tensor-core route to rounding, not bitwise): the bandwidth decode kernel widens an fp8 K tile inside the mma
-# operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies after the shared-memory
-# load of the fp8 tile, so K skips the bf16 round trip) and gives a 16-bit cache's q.K^T the same operand layout
-# (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and bits. V keeps its
-# round trip. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's K, more issue in both dtypes.
-# Never under the interpreter (its inline asm does not run there).
+# SERVEATTN_DECODE_K_OPERAND (on by default since session 33; =0 turns it off): the bandwidth decode kernel widens an
+# fp8 K tile inside the mma operand's registers (widen_in_operand: Triton's exact conversions, which Triton applies
+# after the shared-memory load of the fp8 tile, so K skips the bf16 round trip) and gives a 16-bit cache's q.K^T the
+# same operand layout (with_8bit_origin on q: kWidth 4, the fp8 tile's), so both dtypes keep the same k-slots and
+# bits. V keeps its round trip. H200, one process each way (session 33, docs/runs/2026-12-05T1542-h200-*): fp8-KV
+# decode 1.15 -> 1.55x our bf16 at 64x8192 and 1.16 -> 1.52x at 128x4096, for bf16 decode at 4.34-4.39 TB/s instead
+# of 4.41-4.44 (a 1% step back against cuDNN there). =0 is for deployments that never hold an fp8 cache. The
+# bandwidth kernel's chain verify then takes other k-slots than prefill_kernel's, so it equals a path-shaped tree on
+# the tensor-core route to rounding, not bitwise. scripts/probe_k_operand_widen.py: one shared trip fewer for fp8's
+# K, more issue in both dtypes. Never under the interpreter (its inline asm does not run there).
 _K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "1") == "1"
 K_OPERAND: tl.constexpr = tl.constexpr(_K_OPERAND and not INTERPRET.value)
 
