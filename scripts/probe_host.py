@@ -108,6 +108,8 @@ def main():
             plan_us = per_call_us(lambda: w.plan(*host_idx, 32, 8, 128, 16, q_data_type=torch.bfloat16), n=100)
             run_us = per_call_us(lambda: w.run(q, cache, out=out))
             print(f"decode batch {batch} kv {kv} tensor_cores={tc}: plan {plan_us:.1f} us, run {run_us:.1f} us")
+            if args.profile and not tc:  # where a bandwidth-route run() goes, per batch (session 33: b1 2x b256)
+                profile(f"decode run(), batch {batch}, bandwidth route", lambda: w.run(q, cache, out=out))
             # what a serving engine pays every step under CUDA graphs: a re-plan into the captured buffers
             i32 = dict(dtype=torch.int32, device=dev)
             g = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(

@@ -6,7 +6,7 @@ so that a reader can check it line by line against docs/dev/design.md and /work/
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import torch
 
