@@ -7,7 +7,7 @@ the entry lookup, the globals check) down to a no-op launcher in place of Triton
 H200's host the C launcher adds its own ~10 us. Batch 256, KV 1024 (--batch, --kv), GQA 32/8, head dim 128, bf16, page 16; best of
 9 x 3000 calls; --profile adds a cProfile by own time.
 
-    python scripts/probe_run_overhead.py [--fast-launch] [--profile] [--batch 1 --kv 8192]
+    python scripts/probe_run_overhead.py [--fast-launch] [--profile] [--batch 1 --kv 8192] [--tensor-cores]
 """
 import argparse
 import cProfile
@@ -21,6 +21,7 @@ ap.add_argument("--fast-launch", action="store_true")
 ap.add_argument("--profile", action="store_true")
 ap.add_argument("--batch", type=int, default=256)
 ap.add_argument("--kv", type=int, default=1024, help="keys a request (a multiple of 16)")
+ap.add_argument("--tensor-cores", action="store_true", help="use_tensor_cores=True: the prefill kernel's route")
 ARGS = ap.parse_args()
 # --fast-launch needs JITFunctions (the interpreter would hand out InterpretedFunctions) with CPU tensors
 os.environ["TRITON_INTERPRET"] = "0" if ARGS.fast_launch else os.environ.get("TRITON_INTERPRET", "1")
@@ -40,7 +41,9 @@ class _NoLaunch:
 
 def main():
     if ARGS.fast_launch:
-        fast_launch_to_nothing(decode_kernels.decode_kernel, decode_kernels.merge_kernel)
+        from serveattn.kernels import attention
+        fast_launch_to_nothing(decode_kernels.decode_kernel, decode_kernels.merge_kernel, attention.prefill_kernel,
+                               attention.split_merge_kernel)
     else:
         decode_kernels.decode_kernel = decode_kernels.merge_kernel = _NoLaunch()
     batch, pages = ARGS.batch, ARGS.kv // 16
@@ -50,11 +53,12 @@ def main():
     cache = torch.randn(batch * pages, 2, 16, 8, 128, dtype=torch.bfloat16)
     q = torch.randn(batch, 32, 128, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8), backend="triton")
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8), backend="triton",
+                                                     use_tensor_cores=ARGS.tensor_cores)
     w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
     for _ in range(300):
         w.run(q, cache, out=out)
-    if ARGS.fast_launch and not fast._launches_of(decode_kernels.decode_kernel).entries:
+    if ARGS.fast_launch and not ARGS.tensor_cores and not fast._launches_of(decode_kernels.decode_kernel).entries:
         sys.exit("the fast launch path kept no entry: the probe would time Triton's path")
     best = float("inf")
     for _ in range(9):
@@ -63,7 +67,8 @@ def main():
             w.run(q, cache, out=out)
         best = min(best, (time.perf_counter() - t) / 3000 * 1e6)
     how = "through our fast launch to a no-op launcher" if ARGS.fast_launch else "without Triton's launch"
-    print(f"decode run() at batch {batch}, kv {ARGS.kv} {how}: {best:.1f} us")
+    route = "tensor-core" if ARGS.tensor_cores else "bandwidth"
+    print(f"decode run() ({route} route) at batch {batch}, kv {ARGS.kv} {how}: {best:.1f} us")
     if ARGS.profile:
         profiler = cProfile.Profile()
         profiler.enable()

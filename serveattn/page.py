@@ -32,6 +32,9 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
                                  f"[num_pages, page_size, num_kv_heads, head_dim] ({kv_layout}).")
         policy.check_kv_pair(entry, k_cache, v_cache)
         policy.check_same_device(entry, k_cache.device, v_cache=v_cache)
+        if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride():
+            policy.refuse(entry, "paged_kv_cache's k_cache and v_cache are the same memory, so appending would write "
+                                 "V over K; give the cache's K and V as two tensors (or the 5-D cache).")
     elif isinstance(paged_kv_cache, torch.Tensor):
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
             policy.refuse(entry, f"paged_kv_cache has shape {tuple(paged_kv_cache.shape)}; a single-tensor cache "

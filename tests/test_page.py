@@ -470,6 +470,8 @@ def fp8_scales(k_scale, v_scale):
      r"paged_kv_cache dtype torch.float32 is not served"),
     (changed(paged_kv_cache=lambda c: c[:, 0]), ValueError, r"a single-tensor cache is 5-D"),
     (changed(paged_kv_cache=lambda c: (c[:, 0], c[:, 1, :2])), ValueError, r"both must be the same 4-D shape"),
+    (changed(paged_kv_cache=lambda c: (c[:, 0], c[:, 0])), ValueError,
+     r"k_cache and v_cache are the same memory, so appending would write V over K"),
     (changed(append_key=lambda t: t[:, :1]), ValueError, r"append_key has shape \(5, 1, 64\); expected \[nnz, 2, 64\]"),
     (changed(positions=first_to(99)), ValueError, r"positions\[0\]=99 for request 0, which owns 1 pages"),
     (changed(batch_indices=first_to(2)), ValueError, r"batch_indices holds 2; requests are numbered 0..1"),
