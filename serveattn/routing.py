@@ -84,6 +84,10 @@ class ArchTable:
     def decode_table(self) -> str:
         return f"docs/routing.md, table {self.name}-decode-tc"
 
+    def decode_table_for(self, kv_dtype: str) -> str:
+        """The table behind a decode key: fp8 caches have their own (measured by python -m serveattn.bench fp8)."""
+        return self.decode_table + ("-fp8" if kv_dtype.startswith("float8") else "")
+
 
 TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
@@ -122,6 +126,10 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
             ("bfloat16", 128, 1): None,
             ("bfloat16", 128, 4): None,
             ("bfloat16", 128, 8): None,
+            # docs/routing.md, table sm90-decode-tc-fp8 (python -m serveattn.bench fp8, H200, 2026-12-05 15:40,
+            # K_OPERAND on): an e4m3 cache under a bf16 query, group 4, at 1x8192 .. 128x4096: the bandwidth kernel
+            # takes 0.69-0.86x the tensor-core route's time at every shape, eager and under CUDA graphs alike.
+            ("float8_e4m3fn", 128, 4): None,
         },
     ),
 }
@@ -606,13 +614,14 @@ def decode_tensor_cores(req: Request) -> Tuple[bool, Optional[str]]:
     if table is None or key not in table.decode_tc_min_programs_per_sm:
         if req.use_tensor_cores:
             return True, None
-        return False, unmeasured_arch(TENSOR_CORE) if table is None else tensor_core_unmeasured(table.decode_table)
-    threshold = table.decode_tc_min_programs_per_sm[key]
+        return False, unmeasured_arch(TENSOR_CORE) if table is None else \
+            tensor_core_unmeasured(table.decode_table_for(key[0]))
+    threshold, measured = table.decode_tc_min_programs_per_sm[key], table.decode_table_for(key[0])
     if threshold is not None and req.programs_per_sm >= threshold:
-        return True, bandwidth_above_crossover(threshold, table.decode_table)
+        return True, bandwidth_above_crossover(threshold, measured)
     if req.use_tensor_cores:
-        return False, tensor_core_hint_overruled(table.decode_table)
-    return False, tensor_core_below_crossover(threshold, table.decode_table)
+        return False, tensor_core_hint_overruled(measured)
+    return False, tensor_core_below_crossover(threshold, measured)
 
 
 @dataclasses.dataclass(frozen=True)
