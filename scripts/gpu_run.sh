@@ -7,6 +7,7 @@
 #   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
+#   scripts/gpu_run.sh bench-crossover-fp8   # the decode crossover for e4m3 / e5m2 caches; writes $OUT/routing-fp8.md
 #   scripts/gpu_run.sh probe-fp8             # fp8 timings with each measuring switch on and off (~4 min)
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
@@ -446,6 +447,12 @@ step_bench_fp8() { bench "" bench-fp8 fp8; }
 step_bench_fp8_quick() { bench "--quick" bench-fp8-quick fp8; }
 step_bench_crossover() { bench "--routing-md $OUT/routing.md" bench-crossover crossover; }
 step_bench_crossover_quick() { bench "--quick --routing-md $OUT/routing.md" bench-crossover-quick crossover; }
+# fp8 caches under a bf16 query, decode routes only (routing.TABLES' fp8 keys; its own docs file: a run of only these
+# points would leave the section's 16-bit tables out, so copy its table sm90-decode-tc-fp8 into docs/routing.md)
+step_bench_crossover_fp8() {
+  bench "--pairs decode-tc --dtypes float8_e4m3fn,float8_e5m2 --decode-batches 1,8,32,64,128 --routing-md $OUT/routing-fp8.md" \
+    bench-crossover-fp8 crossover
+}
 step_bench_verify() { bench "" bench-verify verify; }
 
 # A step is a function step_<name, dashes as underscores>: a new step needs only its function.

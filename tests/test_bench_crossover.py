@@ -44,6 +44,26 @@ def test_cpu_dry_run_measures_every_pair_and_writes_its_section(tmp_path):
     assert len(back["points"]) == len(result["points"])
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU dry run needs TRITON_INTERPRET=1 set before triton is imported")
+def test_cpu_dry_run_measures_an_fp8_cache_in_a_table_of_its_own(tmp_path):
+    """--dtypes float8_e4m3fn: the decode pairs read an e4m3 cache under a bf16 query (the prefill pair skips it);
+    its points key the derived entry by the KV dtype and fill table <arch>-decode-tc-fp8, the name routing's
+    reasons give for an fp8 key (ArchTable.decode_table_for)."""
+    doc = tmp_path / "routing.md"
+    result = crossover.cpu_dry_run(["--routing-md", str(doc), "--pairs", "decode-tc,prefill-cudnn",
+                                    "--dtypes", "bfloat16,float8_e4m3fn"])
+    assert result["ok"], result["report"]
+    fp8 = [p for p in result["points"] if p["dtype"] == "float8_e4m3fn"]
+    assert fp8 and all(p["pair"] == "decode-tc" and p["status"] == "ok" and p["diff"] < crossover.TOL for p in fp8)
+    assert set(result["derived"]["decode_tc_min_programs_per_sm"]) == {"('bfloat16', 64, 2)",
+                                                                        "('float8_e4m3fn', 64, 2)"}
+    text = doc.read_text()
+    assert "#### Table cpu-decode-tc\n" in text and "#### Table cpu-decode-tc-fp8\n" in text
+    fp8_table = text.split("#### Table cpu-decode-tc-fp8")[1].split("####")[0]
+    assert "| float8_e4m3fn |" in fp8_table and "| bfloat16 |" not in fp8_table
+    assert "| float8_e4m3fn |" not in text.split("#### Table cpu-decode-tc\n")[1].split("####")[0]
+
+
 def _pt(pair, ratio, status="ok", **kw):
     return dict(pair=pair, ratio=ratio, status=status, **kw)
 

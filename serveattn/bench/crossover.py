@@ -56,7 +56,8 @@ ROUTING_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "routing.md"
 def add_arguments(parser) -> None:
     """Options of this family (the shared ones are added by __main__); names no other family uses."""
     parser.add_argument("--pairs", default=",".join(PAIRS), help=f"crossover: pairs to measure, of {','.join(PAIRS)}")
-    for key, text in (("dtypes", "dtypes (bfloat16, float16)"), ("head_dims", "head dims"),
+    for key, text in (("dtypes", "dtypes (bfloat16, float16; for the decode pairs also float8_e4m3fn, "
+                                 "float8_e5m2: that KV cache under a bfloat16 query)"), ("head_dims", "head dims"),
                       ("groups", "query heads per KV head (8 KV heads)"),
                       ("prefill_batches", "prefill: requests per batch"),
                       ("seq_lens", "prefill: tokens per request (qo_len == kv_len)"),
@@ -141,7 +142,12 @@ def _prefill_runner(route: str, dtype, head_dim: int, group: int, causal: bool, 
     return plan_and_run, (lambda: w.run(q, k, v)), (w, q, k, v)
 
 
+def is_fp8(dtype_name: str) -> bool:
+    return dtype_name.startswith("float8")
+
+
 def _decode_runner(route: str, dtype, head_dim: int, group: int, batch: int, kv_len: int, seed: int):
+    """dtype: the KV cache's; an fp8 cache is read under a bfloat16 query (unit scales)."""
     import torch
     import serveattn
 
@@ -149,8 +155,9 @@ def _decode_runner(route: str, dtype, head_dim: int, group: int, batch: int, kv_
     hq = HKV * group
     per = -(-kv_len // PAGE_SIZE)
     pages = batch * per
-    cache = torch.randn(pages, 2, PAGE_SIZE, HKV, head_dim, dtype=dtype, device=DEVICE, generator=g)
-    q = torch.randn(batch, hq, head_dim, dtype=dtype, device=DEVICE, generator=g)
+    q_dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype
+    cache = torch.randn(pages, 2, PAGE_SIZE, HKV, head_dim, dtype=q_dtype, device=DEVICE, generator=g).to(dtype)
+    q = torch.randn(batch, hq, head_dim, dtype=q_dtype, device=DEVICE, generator=g)
     i32 = dict(dtype=torch.int32, device=DEVICE)
     indptr = torch.arange(batch + 1, **i32) * per
     indices = torch.randperm(pages, generator=torch.Generator().manual_seed(seed)).to(**i32)
@@ -166,7 +173,8 @@ def _decode_runner(route: str, dtype, head_dim: int, group: int, batch: int, kv_
     state = {}
 
     def plan_and_run():
-        w.plan(indptr, indices, last, hq, HKV, head_dim, PAGE_SIZE, q_data_type=dtype, **plan_kw)
+        w.plan(indptr, indices, last, hq, HKV, head_dim, PAGE_SIZE, q_data_type=q_dtype, kv_data_type=dtype,
+               **plan_kw)
         if route == "split" and (w._plan is None or w._plan.chunk is None):
             raise LookupError("the plan does not split the KV here")
         if not graph:
@@ -189,6 +197,8 @@ def _points(args, pair: str, sms: int) -> List[dict]:
     pts = []
     if pair == "prefill-cudnn":
         for dt in dtypes:
+            if is_fp8(dt):  # the cuDNN pair compares 16-bit prefill only
+                continue
             for d in head_dims:
                 for grp in groups:
                     for mode in _list(args, "causal_modes"):
@@ -337,7 +347,7 @@ def table_literal(arch, measured: str, cudnn: dict, decode: dict) -> str:
     lines += [f"            {k!r}: {lo!r}," for k, (lo, hi) in sorted(cudnn.items(), key=str)]
     lines += ["        },", "        cudnn_max_rows={"]
     lines += [f"            {k!r}: {hi!r}," for k, (lo, hi) in sorted(cudnn.items(), key=str) if hi is not None]
-    lines += ["        },", f"        # docs/routing.md, table {name}-decode-tc",
+    lines += ["        },", f"        # docs/routing.md, table {name}-decode-tc (an fp8 cache's: {name}-decode-tc-fp8)",
               "        decode_tc_min_programs_per_sm={"]
     lines += [f"            {k!r}: {None if v is None else round(v, 3)!r}," for k, v in sorted(decode.items(), key=str)]
     lines += ["        },", "    ),"]
@@ -353,6 +363,15 @@ def _fmt_ms(p: dict, route: str) -> str:
 
 def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def pair_tables(pair: str, points: List[dict]) -> List[Tuple[str, List[dict]]]:
+    """(table name suffix, points) of a pair: fp8 KV caches in a table of their own ("-fp8"), as routing's
+    ArchTable.decode_table_for names it."""
+    mine = [p for p in points if p["pair"] == pair]
+    fp8 = [p for p in mine if is_fp8(p["dtype"])]
+    tables = [(pair, [p for p in mine if not is_fp8(p["dtype"])])]
+    return [(suffix, pts) for suffix, pts in tables + [(pair + "-fp8", fp8)] if pts or suffix == pair]
 
 
 def pair_table(pair: str, points: List[dict]) -> str:
@@ -391,8 +410,8 @@ def section(result: dict) -> str:
              ""]
     for pair in result["config"]["pairs"]:
         first, second = PAIRS[pair]
-        lines += [f"#### Table {name}-{pair}", "",
-                  f"{first} / {second}.", "", pair_table(pair, result["points"]), ""]
+        for suffix, pts in pair_tables(pair, result["points"]):
+            lines += [f"#### Table {name}-{suffix}", "", f"{first} / {second}.", "", pair_table(pair, pts), ""]
     lines += ["Derived (`python -m serveattn.bench crossover` prints it; routing.TABLES is edited by hand from it):",
               "", "```python", result["table_literal"], "```", f"<!-- crossover:{name}:end -->"]
     return "\n".join(lines)
@@ -419,7 +438,8 @@ def report(result: dict) -> str:
              "first call: plan + first run of a new shape, synchronized.", ""]
     for pair in result["config"]["pairs"]:
         first, second = PAIRS[pair]
-        lines += [f"### {pair}: {first} / {second}", "", pair_table(pair, result["points"]), ""]
+        for suffix, pts in pair_tables(pair, result["points"]):
+            lines += [f"### {suffix}: {first} / {second}", "", pair_table(pair, pts), ""]
     lines += ["### derived routing.TABLES entry", "", "```python", result["table_literal"], "```", ""]
     if result.get("written"):
         lines.append(f"written: {result['written']}")
