@@ -1,3 +1,6 @@
+#!/usr/bin/env bash
+# The bandwidth decode kernel's tiles with SERVEATTN_DECODE_K_OPERAND off and on (GPU; session 33): fp8 and bf16
+# decode under each tile, two rounds, processes alternating. Run from the repository root: bash scripts/probe_k_operand_tiles.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 T="16,64,2,3;16,64,2,4;16,64,2,5;16,64,2,6;16,64,2,8;16,64,4,4;16,64,4,6;16,128,4,3;16,128,4,4"

@@ -85,8 +85,17 @@ class ArchTable:
         return f"docs/routing.md, table {self.name}-decode-tc"
 
     def decode_table_for(self, kv_dtype: str) -> str:
-        """The table behind a decode key: fp8 caches have their own (measured by python -m serveattn.bench fp8)."""
-        return self.decode_table + ("-fp8" if kv_dtype.startswith("float8") else "")
+        """The table behind a decode key: fp8 caches have their own (FP8_TABLE_SUFFIX; bench crossover writes it)."""
+        return self.decode_table + (FP8_TABLE_SUFFIX if is_fp8_name(kv_dtype) else "")
+
+
+#: The docs/routing.md table of an fp8 cache's decode keys is the 16-bit table's name with this suffix.
+FP8_TABLE_SUFFIX = "-fp8"
+
+
+def is_fp8_name(dtype_name: str) -> bool:
+    """Whether a table key's dtype name (dtype_name()) is an fp8 one."""
+    return dtype_name.startswith("float8")
 
 
 TABLES: Dict[Tuple[int, int], ArchTable] = {

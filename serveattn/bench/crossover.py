@@ -142,10 +142,6 @@ def _prefill_runner(route: str, dtype, head_dim: int, group: int, causal: bool, 
     return plan_and_run, (lambda: w.run(q, k, v)), (w, q, k, v)
 
 
-def is_fp8(dtype_name: str) -> bool:
-    return dtype_name.startswith("float8")
-
-
 def _decode_runner(route: str, dtype, head_dim: int, group: int, batch: int, kv_len: int, seed: int):
     """dtype: the KV cache's; an fp8 cache is read under a bfloat16 query (unit scales)."""
     import torch
@@ -193,11 +189,13 @@ def _decode_runner(route: str, dtype, head_dim: int, group: int, batch: int, kv_
 # ---------------------------------------------------------------- points
 
 def _points(args, pair: str, sms: int) -> List[dict]:
+    from serveattn import routing
+
     dtypes, head_dims, groups = _list(args, "dtypes"), _list(args, "head_dims", int), _list(args, "groups", int)
     pts = []
     if pair == "prefill-cudnn":
         for dt in dtypes:
-            if is_fp8(dt):  # the cuDNN pair compares 16-bit prefill only
+            if routing.is_fp8_name(dt):  # the cuDNN pair compares 16-bit prefill only
                 continue
             for d in head_dims:
                 for grp in groups:
@@ -368,10 +366,13 @@ def _short(text: str, limit: int = 120) -> str:
 def pair_tables(pair: str, points: List[dict]) -> List[Tuple[str, List[dict]]]:
     """(table name suffix, points) of a pair: fp8 KV caches in a table of their own ("-fp8"), as routing's
     ArchTable.decode_table_for names it."""
+    from serveattn import routing
+
     mine = [p for p in points if p["pair"] == pair]
-    fp8 = [p for p in mine if is_fp8(p["dtype"])]
-    tables = [(pair, [p for p in mine if not is_fp8(p["dtype"])])]
-    return [(suffix, pts) for suffix, pts in tables + [(pair + "-fp8", fp8)] if pts or suffix == pair]
+    fp8 = [p for p in mine if routing.is_fp8_name(p["dtype"])]
+    tables = [(pair, [p for p in mine if not routing.is_fp8_name(p["dtype"])])]
+    return [(suffix, pts) for suffix, pts in tables + [(pair + routing.FP8_TABLE_SUFFIX, fp8)]
+            if pts or suffix == pair]
 
 
 def pair_table(pair: str, points: List[dict]) -> str:
