@@ -101,28 +101,31 @@ def is_fp8_name(dtype_name: str) -> bool:
 TABLES: Dict[Tuple[int, int], ArchTable] = {
     (9, 0): ArchTable(
         arch=(9, 0), name="sm90",
-        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-04 14:14: python -m serveattn.bench "
-                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; the plan's "
-                 "repeated launch, kernels/replay.py, on; docs/runs/2026-12-04T1416-bench-crossover.log)",
-        # docs/routing.md, table sm90-prefill-cudnn, measured after prefill run()'s host time fell to ~30 us on the
-        # H200 host (kernels/replay.py): eager, cuDNN still takes the short lengths, but by 0.78-0.86x our time at
-        # 512 rows (was 0.35-0.48x); longer, batch 8 often stays cuDNN's (0.65-0.97x) and one request ours. Upper
-        # ends: the longest run of lengths where cuDNN won at every batch (group 1 causal: one request of 2048 or
-        # 4096 is ours, 8 x 4096 cuDNN's by 0.73x; the table keys on length only). Group 8 causal starts at 1024:
-        # at 512 one request was ours (1.32x; 8 x 512 cuDNN's by 0.65x).
+        measured="NVIDIA H200 (132 SMs), torch 2.11.0+cu130, triton 3.6.0, 2026-12-05 17:12: python -m serveattn.bench "
+                 "crossover (defaults: groups 1,4,8, batches 1,8, lengths 512-8192, causal and none; "
+                 "docs/runs/2026-12-05T1712-h200-bench-crossover.log); fp8 caches 17:11: --pairs decode-tc --dtypes "
+                 "float8_e4m3fn,float8_e5m2 (docs/runs/2026-12-05T1711-h200-bench-crossover-fp8.log)",
+        # docs/routing.md, table sm90-prefill-cudnn, re-measured after our prefill's later gains (output through
+        # shared memory, split-KV for few long requests): cuDNN now wins by less (0.74-0.99x where it wins) and at
+        # fewer points. Each range is the longest run of lengths where cuDNN won at every batch (1 and 8): group 1
+        # non-causal from 512 up; group 4 non-causal 1024-2048 (one request of 512 ours by 1.05x, 8 x 4096 by
+        # 1.003x); group 4 causal 512 only; group 8 non-causal 512-1024 (8 x 2048 ours by 1.02x). Group 1 and 8
+        # causal are ours at every length: one request was ours at each (1.01-1.57x), where eight were cuDNN's
+        # (group 1 at every length, 0.74-0.96x; group 8 at 512-1024, 0.79-0.93x); the table keys on length only,
+        # and a batch of equal lengths (all the cuDNN route serves) is most often one request. (The 2026-12-04
+        # 14:14 run had cuDNN win more widely: docs/routing.md's history.)
         cudnn_min_rows={
             ("bfloat16", 128, 1, False): 512,
-            ("bfloat16", 128, 1, True): 512,
-            ("bfloat16", 128, 4, False): 512,
+            ("bfloat16", 128, 1, True): None,
+            ("bfloat16", 128, 4, False): 1024,
             ("bfloat16", 128, 4, True): 512,
             ("bfloat16", 128, 8, False): 512,
-            ("bfloat16", 128, 8, True): 1024,
+            ("bfloat16", 128, 8, True): None,
         },
         cudnn_max_rows={
-            ("bfloat16", 128, 1, True): 2048,
-            ("bfloat16", 128, 4, False): 8192,
+            ("bfloat16", 128, 4, False): 4096,
             ("bfloat16", 128, 4, True): 1024,
-            ("bfloat16", 128, 8, True): 2048,
+            ("bfloat16", 128, 8, False): 2048,
         },
         # docs/routing.md, table sm90-decode-tc: bandwidth / tensor-core 0.15-0.77 below 0.97 KV-head programs per
         # SM, 1.01-1.09 at 1.94, and within 1% either way from 3.88 on (ties); groups 1 and 8 had a point at or
@@ -130,15 +133,24 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
         # kernel. Group 4, re-measured after the bandwidth kernel's 64-key tiles and graph grid (table
         # sm90-decode-tc-g4, 2026-12-02T21:46): 1.01-1.03 at 1.94, 0.96-1.00 from 3.88 on, so no threshold holds
         # at every point above it: the bandwidth kernel everywhere.
-        # (the 2026-12-03 and 2026-12-04 runs measured the same: None for groups 1, 4 and 8)
+        # (the 2026-12-03, 2026-12-04 and 2026-12-05 17:12 runs, the last with K_OPERAND on, measured the same:
+        # None for groups 1, 4 and 8)
         decode_tc_min_programs_per_sm={
             ("bfloat16", 128, 1): None,
             ("bfloat16", 128, 4): None,
             ("bfloat16", 128, 8): None,
-            # docs/routing.md, table sm90-decode-tc-fp8 (python -m serveattn.bench fp8, H200, 2026-12-05 15:40,
-            # K_OPERAND on): an e4m3 cache under a bf16 query, group 4, at 1x8192 .. 128x4096: the bandwidth kernel
-            # takes 0.69-0.86x the tensor-core route's time at every shape, eager and under CUDA graphs alike.
+            # docs/routing.md, table sm90-decode-tc-fp8 (bench crossover, H200, 2026-12-05 17:11, K_OPERAND on): e4m3
+            # and e5m2 caches under a bf16 query, groups 1 / 4 / 8, batch 1-128, KV 1024-16384: the bandwidth
+            # kernel takes 0.69-0.96x the tensor-core route's time from batch 8 on, and 0.85-0.90x at one request
+            # up to 4096 keys (group 8 at 4096: 1.02x). One request of 16384 keys is the tensor-core route's (1.00 /
+            # 1.08 / 1.32x for groups 1 / 4 / 8): below every size the bandwidth kernel wins, so no minimum programs
+            # per SM (the table's rule) holds it. An H100 (16:56) measured the same shape (1.08-1.39x there only).
+            ("float8_e4m3fn", 128, 1): None,
             ("float8_e4m3fn", 128, 4): None,
+            ("float8_e4m3fn", 128, 8): None,
+            ("float8_e5m2", 128, 1): None,
+            ("float8_e5m2", 128, 4): None,
+            ("float8_e5m2", 128, 8): None,
         },
     ),
 }

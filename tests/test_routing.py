@@ -229,16 +229,17 @@ def test_decode_choices():
     assert choose(dec(batch=32, use_tensor_cores=True)).kernel == "tensor-core"
     # unmeasured (head dim 64 is not in the table): the hint is taken
     assert choose(dec(batch=1, head_dim=64, use_tensor_cores=True)) == routing.Decision("triton", "tensor-core")
-    # an e4m3 cache (group 4, head dim 128): measured by bench fp8, the bandwidth kernel at every size, its own table
+    # e4m3 and e5m2 caches (groups 1, 4, 8, head dim 128): measured by bench crossover, the bandwidth kernel at every
+    # size, in their own table
     fp8_table = H200.decode_table + "-fp8"
     assert H200.decode_table_for("float8_e4m3fn") == fp8_table
-    for batch in (1, 256):
-        assert choose(dec(batch=batch, kv_dtype=E4M3, use_tensor_cores=True)) == routing.Decision(
-            "triton", "bandwidth", (routing.tensor_core_hint_overruled(fp8_table),))
-    # ... an e5m2 cache and other groups were not measured: the hint is taken
-    assert choose(dec(batch=1, kv_dtype=torch.float8_e5m2, use_tensor_cores=True)) == routing.Decision(
+    for kv_dtype in (E4M3, torch.float8_e5m2):
+        for batch, qo_heads in ((1, 8), (256, 32), (1, 64)):
+            assert choose(dec(batch=batch, kv_dtype=kv_dtype, num_qo_heads=qo_heads, use_tensor_cores=True)) == \
+                routing.Decision("triton", "bandwidth", (routing.tensor_core_hint_overruled(fp8_table),))
+    # ... other groups were not measured: the hint is taken
+    assert choose(dec(batch=1, kv_dtype=E4M3, num_qo_heads=16, use_tensor_cores=True)) == routing.Decision(
         "triton", "tensor-core")
-    assert choose(dec(batch=1, kv_dtype=E4M3, num_qo_heads=64, use_tensor_cores=True)).kernel == "tensor-core"
     # a chain whose k x group rows fit the bandwidth kernel's tile is its request like any decode
     assert choose(dec(batch=1, q_len_per_req=8)) == routing.Decision(
         "triton", "bandwidth", (routing.tensor_core_below_crossover(256 / 132, table),))
