@@ -151,6 +151,12 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
+        # SERVEATTN_DECODE_MAX_SLOTS (measuring only, unset: no cap): at most that many chunks a request. One
+        # program folds a (request, KV head)'s slots x group rows, so one long request of a large group waits on
+        # a long fold (1 x 16384, group 8: 64 slots; docs/performance.md, session 34)
+        max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", "0"))
+        if max_slots > 0:
+            splits = min(splits, max_slots)
         chunk = max(int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))), -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None

@@ -103,6 +103,22 @@ def test_split_counts_agree(device):
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
+def test_split_rule_and_its_measuring_knobs(monkeypatch):
+    """choose_chunk on the H200's 132 SMs: split while batch x KV heads is under 2 programs an SM, into a power of
+    two of chunks of at least MIN_CHUNK tokens (multiples of the tile); SERVEATTN_DECODE_MAX_SLOTS caps the chunks a
+    request (measuring only; unset, no cap)."""
+    from serveattn.decode import choose_chunk
+
+    def chunk(kv_lens, heads=8):
+        return choose_chunk(np.array(kv_lens), heads, 132, 64, None, False)
+    assert (chunk([16384]), chunk([8192]), chunk([4096] * 8), chunk([2048] * 32), chunk([1024] * 64)) == \
+        (256, 256, 512, 1024, None)
+    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "32")
+    assert (chunk([16384]), chunk([8192]), chunk([32768]), chunk([16384], heads=1)) == (512, 256, 1024, 512)
+    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "0")
+    assert chunk([16384]) == 256
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_work_items_carry_their_requests_kv(chunk):
     """Each work item holds what the kernel would otherwise read after it (a dependent trip to memory): its
