@@ -745,13 +745,16 @@ def prefill_forward(case, rng, d: PrefillDraw, run, b, mask, qo, kv, first, what
 
 
 def tiles_of(wrapper):
-    """The tile configuration a planned wrapper launches with (prefill, or decode on either route)."""
+    """The tile configuration a planned wrapper launches with (prefill, or decode on either route), and its split-KV
+    chunk (None: unsplit): a request alone may be split where the batch fills the GPU unsplit (README, split-KV)."""
     plan = wrapper._prefill._plan if getattr(wrapper, "_prefill", None) is not None else wrapper._plan
-    return (plan.tiles.block_m, plan.tiles.block_n, plan.tiles.num_warps)
+    chunk = plan.chunk if hasattr(plan, "chunk") else plan.split_chunk
+    return (plan.tiles.block_m, plan.tiles.block_n, plan.tiles.num_warps, chunk)
 
 
 def same_alone(case, what, tiles_batch, tiles_alone, alone, in_batch, tol_dtype):
-    """Bitwise where both plans launch the same tiles. The prefill kernel's BLOCK_M follows the batch's longest
+    """Bitwise where both plans launch the same tiles and split-KV chunk (tiles_of); a default plan splits by the
+    batch's size, so there a request alone is close, not bitwise. The prefill kernel's BLOCK_M follows the batch's longest
     request, and under the interpreter tl.dot is a float32 numpy matmul (OpenBLAS), whose rows depend on the
     matrix's row count: there a request alone may differ in the last bit from its rows in the batch (decode seed
     1601700), an artifact of the interpreter that only a GPU run can settle; then close, not bitwise."""
@@ -766,8 +769,8 @@ def same_alone(case, what, tiles_batch, tiles_alone, alone, in_batch, tol_dtype)
 
 
 def prefill_alone(case, rng, d: PrefillDraw, b, mask, qo, kv, batch_result, what, batch_wrapper):
-    """README: the prefill kernel never splits a request's KV, so its results never depend on the batch: one
-    request planned alone gives, bitwise, its rows of the batch's run."""
+    """README: a request planned alone gives, bitwise, its rows of the batch's run where both plans launch the same
+    tiles and split-KV chunk (same_alone), and under a batch-invariant plan always."""
     i = rng.choice([j for j, n in enumerate(qo) if n] or [0])
     case.config["alone"] = i
     q0, q1 = int(b.qo_indptr[i]), int(b.qo_indptr[i + 1])
@@ -1090,8 +1093,9 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                                    return_lse=return_lse))
             same_bits(f"{what}: fp8 cache vs cache.to({str(dtype)[6:]})", (out, lse), wide)
         if len(kv) > 1 and (split_kw or use_tc) and rng.random() < 0.5:
-            # fixed or no KV split (or the tensor-core route, which never splits): a request's rows do not depend
-            # on the batch (what vLLM passes fixed_split_size / disable_split_kv for)
+            # fixed or no KV split: a request's rows do not depend on the batch (what vLLM passes fixed_split_size /
+            # disable_split_kv for); on the tensor-core route by default, bitwise where both plans split alike
+            # (same_alone)
             i = rng.randrange(len(kv))
             case.config["alone"] = i
             p0, p1 = int(b.kv_indptr[i]), int(b.kv_indptr[i + 1])

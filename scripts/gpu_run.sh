@@ -280,7 +280,7 @@ step_probe_decode_split() {  # split-KV at small batch under other split setting
 step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (under each setting) vs the tensor-core route
   # LONG_SETTINGS: ";"-separated settings, each a space-separated list of VAR=value (one crossover process each);
   # "-" is today's rule. The tensor-core route's column is the same kernel in every process: the yardstick.
-  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=32;SERVEATTN_DECODE_MAX_SLOTS=16;SERVEATTN_DECODE_FUSED_MERGE=0"}
+  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=32;SERVEATTN_DECODE_MAX_SLOTS=16;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_FUSED_MERGE=0"}
   local list st i=0 rc=0
   IFS=';' read -ra list <<< "$settings"
   {

@@ -127,8 +127,9 @@ class Plan:
     # request, token indptr, the ragged view of this plan, whether it pays), made at the first run that asks
     gathered: Optional[tuple] = None
     # split-KV (build_split_work): the (output row, first partial row, chunks) of each split request's tokens, their
-    # count, the partial rows; split = (partial outputs, partial LSEs, merge_rows) set by _commit
+    # count, the partial rows; split = (partial outputs, partial LSEs, merge_rows) set by _commit; the chunk's keys
     merge_rows: Optional[torch.Tensor] = None
+    split_chunk: Optional[int] = None
     num_merge: int = 0
     split_rows: int = 0
     split: Optional[tuple] = None
@@ -408,6 +409,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         if chunk is not None:
             work, n, plan.merge_rows, plan.num_merge, plan.split_rows = build_split_work(
                 qo_lens, kv_lens, group, tiles.block_m, chunk)
+            plan.split_chunk = chunk
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
             work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
         plan.work, plan.num_work_host = work, n

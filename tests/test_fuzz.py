@@ -53,7 +53,16 @@ def test_alone_check_is_bitwise_where_the_tiles_agree():
     count), so the check falls back to closeness there, and says so in the case's configuration."""
     case = fuzz.run_case("decode", 1601700, recycle=False)
     assert not case.failures, case.failures
-    assert case.config["alone_tiles"] == ((64, 32, 4), (32, 32, 4))
+    assert case.config["alone_tiles"] == ((64, 32, 4, None), (32, 32, 4, None))  # (block_m, block_n, warps, chunk)
+
+
+def test_alone_check_is_close_where_only_the_request_alone_splits():
+    """Decode seed 95313 (RoPE, so the tensor-core route): one request of 377 keys alone is split (256-key chunks on
+    the interpreter's 2 "SMs"), the batch of two is not: a default plan splits by the batch's size (README), so its
+    rows are close, not bitwise (fixed_split_size / disable_split_kv are the batch-invariant plans)."""
+    case = fuzz.run_case("decode", 95313, recycle=False)
+    assert not case.failures, case.failures
+    assert case.config["alone_tiles"] == ((16, 32, 4, None), (16, 32, 4, 256))
 
 
 class DevicePlumbing(TorchFunctionMode):
