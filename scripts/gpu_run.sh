@@ -12,7 +12,7 @@
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
 #   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
-#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split settings) vs tensor-core route (~3-4 min)
+#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route (~4-5 min)
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
@@ -280,7 +280,7 @@ step_probe_decode_split() {  # split-KV at small batch under other split setting
 step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (under each setting) vs the tensor-core route
   # LONG_SETTINGS: ";"-separated settings, each a space-separated list of VAR=value (one crossover process each);
   # "-" is today's rule. The tensor-core route's column is the same kernel in every process: the yardstick.
-  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=32;SERVEATTN_DECODE_MAX_SLOTS=16;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_FUSED_MERGE=0"}
+  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=32;SERVEATTN_DECODE_MAX_SLOTS=16;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_FUSED_MERGE=heads"}
   local list st i=0 rc=0
   IFS=';' read -ra list <<< "$settings"
   {

@@ -33,7 +33,8 @@ from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 PROGRAMS_PER_SM = 2
 # The decode kernel's last program of a split (request, KV head) folds its chunks: no merge launch, and the fold
 # starts as soon as the last chunk is written (1 x 8192 in a CUDA graph 0.0337 -> 0.0309 ms, docs/performance.md).
-# SERVEATTN_DECODE_FUSED_MERGE=0 launches merge_kernel instead (for measuring).
+# SERVEATTN_DECODE_FUSED_MERGE=0 launches merge_kernel instead, =heads merge_kernel a query head a program (for
+# measuring; kernels/decode.MERGE_PER_HEAD).
 FUSED_MERGE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1") == "1"
 
 

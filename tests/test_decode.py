@@ -180,6 +180,35 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     check_lse(results[True][1], ref_lse)
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
+    """SERVEATTN_DECODE_FUSED_MERGE=heads (measuring): merge_kernel folds each query head in a program of its own
+    (GROUP 1 and one row a draft token): every row written, the reference's result, the same bits run to run."""
+    from serveattn import decode as decode_mod
+    from serveattn.kernels import decode as decode_kernel
+
+    monkeypatch.setattr(decode_mod, "FUSED_MERGE", False)
+    monkeypatch.setattr(decode_kernel, "MERGE_PER_HEAD", True)
+    gen = torch.Generator().manual_seed(44 + q_len)
+    kv_lens = [500, 0 if q_len == 1 else q_len, 90]
+    b = make_paged_batch(gen, qo_lens=[q_len] * 3, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                      backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+           fixed_split_size=64, q_len_per_req=q_len)
+    assert w._plan.num_slots >= 8 and w._done_count is None
+    out = nan_like(b.q.shape, torch.bfloat16, device)
+    lse = nan_like(b.q.shape[:2], torch.float32, device)
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    again = w.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert not out.isnan().any() and rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+
+
 def test_one_plan_serves_every_kind_of_call(device):
     """run() keeps the kernel arguments it derives from the plan per kind of call (with or without the LSE, float or
     tensor scales, K/V of one tensor or two with other strides): every kind, in any order on one plan, gives the

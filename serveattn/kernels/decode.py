@@ -55,6 +55,12 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
         tl.store(where, now, mask=tl.arange(0, dep_rows.shape[0]) == 0)
 
 
+# Measuring only: SERVEATTN_DECODE_FUSED_MERGE=heads (serveattn/decode.py then launches merge_kernel, as for 0) folds
+# each query head in a program of its own, the KV group's heads side by side instead of one program's serial fold
+# (one long request of a large group: 64 slots x 8 heads, session 34). Its blocking follows one row, so its bits
+# are its own (deterministic), not the fused fold's.
+MERGE_PER_HEAD = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1") == "heads"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -230,7 +236,8 @@ def merge_kernel(
     NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """One program per (request, KV head): folds a split request's partial states (_merge_request)."""
+    """One program per (request, KV head): folds a split request's partial states (_merge_request). Under
+    MERGE_PER_HEAD the second axis is the query head, launched with GROUP 1 and one row per draft token."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.load(req_num_slots + req)
@@ -273,7 +280,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         merge_args = _merge_args(plan, out, lse_arg, slb, slh)
         if len(packs) == 1:  # made only where a merge launches (a plan is made every step: a Pack is ~10 us)
             packs.append(Pack(merge_kernel, merge_args, merge_kwargs, (0, 1, 4, 5)))
-        packs[1]((merge_rows, plan.num_kv_heads), *merge_args)
+        packs[1]((merge_rows, plan.num_qo_heads if MERGE_PER_HEAD else plan.num_kv_heads), *merge_args)
 
 
 def _merge_args(plan, out, lse_arg, slb, slh):
@@ -314,9 +321,10 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
+    merge_group, merge_rows = (1, next_pow2(plan.q_len)) if MERGE_PER_HEAD else (plan.group, merge_rows_pad)
     merge_kwargs = dict(
-        NUM_QO_HEADS=plan.num_qo_heads, GROUP=plan.group, ROWS=merge_rows_pad, HEAD_DIM=plan.head_dim,
-        RETURN_LSE=return_lse, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows_pad, plan.head_dim),
+        NUM_QO_HEADS=plan.num_qo_heads, GROUP=merge_group, ROWS=merge_rows, HEAD_DIM=plan.head_dim,
+        RETURN_LSE=return_lse, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows, plan.head_dim),
         num_warps=4, **LAUNCH_OPTIONS,
     )
     return plan_args, kwargs, merge_kwargs, []  # launch.Packs, made at the first call
