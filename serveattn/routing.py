@@ -134,7 +134,9 @@ TABLES: Dict[Tuple[int, int], ArchTable] = {
         # sm90-decode-tc-g4, 2026-12-02T21:46): 1.01-1.03 at 1.94, 0.96-1.00 from 3.88 on, so no threshold holds
         # at every point above it: the bandwidth kernel everywhere.
         # (the 2026-12-03, 2026-12-04 and 2026-12-05 17:12 runs, the last with K_OPERAND on, measured the same:
-        # None for groups 1, 4 and 8)
+        # None for groups 1, 4 and 8. Since the prefill kernel's split-KV, the 17:12 run has one request of 16384
+        # keys on the tensor-core route's side, 1.02 / 1.14 / 1.41 for groups 1 / 4 / 8: below every size where the
+        # bandwidth kernel wins, which a minimum programs per SM cannot say; docs/performance.md, session 34)
         decode_tc_min_programs_per_sm={
             ("bfloat16", 128, 1): None,
             ("bfloat16", 128, 4): None,
