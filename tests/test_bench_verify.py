@@ -24,6 +24,11 @@ def test_cpu_dry_run_reports_every_case(tmp_path):
     assert list(by["k=1"]["runners"]) == ["cc", "cc-graph", "tc", "tc-graph", "fi-cc", "fi-tc", "flash"]
     assert list(by["k=4"]["runners"]) == ["cc", "cc-graph", "tc", "tc-graph", "fi-prefill", "flash"]  # 4 x group fits
     assert list(by["tree4"]["runners"]) == ["tc", "tc-graph", "fi-prefill"]
+    # each runner's note names the route its plan took: a chain that fits the tile runs cc on the bandwidth kernel
+    for name in ("k=1", "k=4"):
+        assert "bandwidth kernel" in by[name]["runners"]["cc"]["note"]
+        assert "tensor-core route" in by[name]["runners"]["tc"]["note"]
+    assert "tensor-core route" in by["tree4"]["runners"]["tc"]["note"]
     for c in result["cases"]:
         assert c["total_rows"] == 2 * c["rows_per_request"]
         assert c["bytes_floor_ms"] > 0 and c["flops_floor_ms"] > 0

@@ -61,7 +61,7 @@ import time
 import types
 from typing import Callable, Dict, List, Optional
 
-from ..routing import fits_bandwidth_tile
+from ..routing import BANDWIDTH, TENSOR_CORE, fits_bandwidth_tile
 
 from . import common
 from . import decode as decode_bench
@@ -319,8 +319,10 @@ def _plan_kwargs(case: Case) -> dict:
 
 
 def _ours_note(w, case: Case, tensor_cores: bool) -> str:
-    route = "bandwidth kernel" if (not tensor_cores and case.rows == 1 and case.kind == "chain") else \
-        "tensor-core route"
+    """The runner's flag and the route its plan took (the wrapper's own decision, not a rule restated here)."""
+    decision = getattr(w, "_decision", None)
+    kernel = getattr(decision, "kernel", None)
+    route = {BANDWIDTH: "bandwidth kernel", TENSOR_CORE: "tensor-core route"}.get(kernel, f"route {kernel!r}")
     return f"use_tensor_cores={tensor_cores}, {route}, backend={getattr(w, 'backend', '?')}"
 
 
