@@ -754,8 +754,8 @@ def tiles_of(wrapper):
 
 def same_alone(case, what, tiles_batch, tiles_alone, alone, in_batch, tol_dtype):
     """Bitwise where both plans launch the same tiles and split-KV chunk (tiles_of); a default plan splits by the
-    batch's size, so there a request alone is close, not bitwise. The prefill kernel's BLOCK_M follows the batch's longest
-    request, and under the interpreter tl.dot is a float32 numpy matmul (OpenBLAS), whose rows depend on the
+    batch's size, so there a request alone is close, not bitwise. The prefill kernel's BLOCK_M follows the batch's
+    longest request, and under the interpreter tl.dot is a float32 numpy matmul (OpenBLAS), whose rows depend on the
     matrix's row count: there a request alone may differ in the last bit from its rows in the batch (decode seed
     1601700), an artifact of the interpreter that only a GPU run can settle; then close, not bitwise."""
     if tiles_batch == tiles_alone:

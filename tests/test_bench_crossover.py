@@ -104,6 +104,29 @@ def test_derive_decode_takes_the_smallest_load_from_which_tensor_cores_never_los
     assert "# docs/routing.md, table sm90-decode-tc" in literal and "('bfloat16', 128, 4): 1.94," in literal
 
 
+def test_slower_routes_lists_where_the_derived_table_loses():
+    """The points where the derived table takes the slower route (ties aside), worst first: prefill keyed on length
+    only (a batch of eight where cuDNN won outside its range, one request where ours won inside it), decode on a
+    minimum programs per SM (one long request the tensor-core route won below every threshold)."""
+    pre = dict(dtype="bfloat16", head_dim=128, group=4, causal=True)
+    pts = [_pt("prefill-cudnn", r, qo_len=s, batch=b, **pre)
+           for s, b, r in ((512, 1, 0.8), (512, 8, 0.7), (1024, 1, 1.1), (1024, 8, 0.9), (2048, 1, 1.0),
+                           (2048, 8, 0.8))]
+    dec = dict(dtype="bfloat16", head_dim=128, group=8)
+    pts += [_pt("decode-tc", r, programs_per_sm=x, batch=b, kv_len=n, **dec)
+            for x, b, n, r in ((0.06, 1, 16384, 1.4), (0.48, 8, 16384, 0.7), (3.88, 64, 1024, 0.99))]
+    cudnn, decode = crossover.derive_cudnn(pts), crossover.derive_decode(pts)
+    assert cudnn == {("bfloat16", 128, 4, True): (512, 1024)} and decode == {("bfloat16", 128, 8): None}
+    slower = crossover.slower_routes(pts, cudnn, decode)
+    assert [(m["pair"], m["batch"], m["length"], m["taken"], round(m["slower"], 3)) for m in slower] == [
+        ("decode-tc", 1, 16384, "bandwidth", 1.4), ("prefill-cudnn", 8, 2048, "triton", 1.25),
+        ("prefill-cudnn", 8, 1024, "triton", 1.111)]  # 2048 x 1 is a tie: not listed
+    text = "".join(crossover.slower_lines(slower, most=2))
+    assert "3 measured point(s)" in text and "the 2 worst" in text
+    assert "decode-tc bfloat16 g8 1x16384: bandwidth taken, 1.40x" in text
+    assert "faster route at every measured point" in crossover.slower_lines([])[0]
+
+
 def test_command_line():
     assert "crossover" in FAMILIES
     args = build_parser().parse_args(["crossover", "--quick", "--pairs", "decode-tc", "--no-write"])

@@ -334,6 +334,49 @@ def derive_decode(points: List[dict]) -> Dict[tuple, Optional[float]]:
                        lambda p: p["ratio"] >= 1)
 
 
+def slower_routes(points: List[dict], cudnn: dict, decode: dict) -> List[dict]:
+    """The measured points where the derived table takes the slower route (ties excepted), worst first: the cost
+    of keying prefill on length only and decode on a minimum programs per SM. Each: the point's pair and shape,
+    the route taken, and how much slower it was (its time over the other's)."""
+    out = []
+    for p in points:
+        if not _ok(p):
+            continue
+        first, second = PAIRS[p["pair"]]
+        if p["pair"] == "prefill-cudnn":
+            key = (p["dtype"], p["head_dim"], p["group"], p["causal"])
+            if key not in cudnn:
+                continue
+            lo, hi = cudnn[key]
+            takes_first = lo is not None and p["qo_len"] >= lo and (hi is None or p["qo_len"] < hi)
+        elif p["pair"] == "decode-tc":
+            key = (p["dtype"], p["head_dim"], p["group"])
+            if key not in decode:
+                continue
+            takes_first = decode[key] is None or p["programs_per_sm"] < decode[key]
+        else:
+            continue
+        slower = p["ratio"] if takes_first else 1.0 / p["ratio"]
+        if slower > 1.0:
+            out.append(dict(pair=p["pair"], dtype=p["dtype"], group=p["group"], batch=p["batch"],
+                            length=p["qo_len"] if p["pair"] == "prefill-cudnn" else p["kv_len"],
+                            causal=p.get("causal"), taken=first if takes_first else second, slower=slower))
+    return sorted(out, key=lambda m: -m["slower"])
+
+
+def slower_lines(slower: List[dict], most: int = 12) -> List[str]:
+    """slower_routes as a paragraph of the docs section (the `most` worst)."""
+    if not slower:
+        return ["The derived table takes the faster route at every measured point (ties aside).", ""]
+    text = "; ".join(
+        f"{m['pair']} {m['dtype']} g{m['group']}"
+        + (f" {'causal' if m['causal'] else 'none'}" if m["pair"] == "prefill-cudnn" else "")
+        + f" {m['batch']}x{m['length']}: {m['taken']} taken, {m['slower']:.2f}x" for m in slower[:most])
+    shown = f", the {most} worst" if len(slower) > most else ""
+    return [f"Where the derived table takes the slower route, {len(slower)} measured point(s) (the taken route's "
+            f"time over the other's{shown}): {text}.", ""]
+
+
 def table_literal(arch, measured: str, cudnn: dict, decode: dict) -> str:
     """The routing.TABLES entry the points give, as Python to paste."""
     name = arch_name(arch)
@@ -413,6 +456,7 @@ def section(result: dict) -> str:
         first, second = PAIRS[pair]
         for suffix, pts in pair_tables(pair, result["points"]):
             lines += [f"#### Table {name}-{suffix}", "", f"{first} / {second}.", "", pair_table(pair, pts), ""]
+    lines += slower_lines(result.get("slower_routes") or [])
     lines += ["Derived (`python -m serveattn.bench crossover` prints it; routing.TABLES is edited by hand from it):",
               "", "```python", result["table_literal"], "```", f"<!-- crossover:{name}:end -->"]
     return "\n".join(lines)
@@ -489,6 +533,7 @@ def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = 
     measured = (f"{env.get('device', 'CPU')} ({sms} SMs), torch {env.get('torch')}, triton {env.get('triton')}, "
                 f"{str(env.get('date_utc', ''))[:10]}: {' '.join(result['command'])}")
     result["table_literal"] = table_literal(arch, measured, cudnn, decode)
+    result["slower_routes"] = slower_routes(result["points"], cudnn, decode)
     target = getattr(args, "routing_md", None)
     if not getattr(args, "no_write", False) and (DEVICE == "cuda" or target):
         path = pathlib.Path(target) if target else ROUTING_MD
