@@ -12,7 +12,7 @@
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
 #   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
-#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route (~4-5 min)
+#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route, compared (~4-5 min)
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
@@ -294,7 +294,11 @@ step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (un
     done
     [ "$rc" = 0 ]
   } 2>&1 | grep -E "^==|^\| (bfloat16|float8)" | tee "$OUT/probe-decode-long.txt"
-  return "${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}
+  # the settings side by side: bandwidth / tensor-core per point and setting, the best and its gain
+  python3 scripts/compare_decode_long.py "--settings=$settings" \
+    $(for j in $(seq "${#list[@]}"); do echo "$OUT/probe-decode-long-$j.json"; done) | tee "$OUT/probe-decode-long-compare.md"
+  return "$rc"
 }
 
 step_probe_chain_tiles() {  # chains of 8 drafts x group 4 = 32 rows: the bandwidth kernel's 32-row tiles

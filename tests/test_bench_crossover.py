@@ -136,3 +136,26 @@ def test_command_line():
     full = build_parser().parse_args(["crossover"])
     pre = crossover._points(full, "prefill-cudnn", 132)
     assert all(p["batch"] * p["qo_len"] <= crossover.MAX_PREFILL_TOKENS for p in pre) and len(pre) == 60
+
+
+def test_compare_decode_long_lines_the_settings_up(tmp_path):
+    """scripts/compare_decode_long.py (probe-decode-long's summary): a row a point, a column a setting, the best
+    setting and its gain on the first; a point one run lacks, or a run's missing JSON, reads '-'."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "compare_decode_long.py")
+    spec = importlib.util.spec_from_file_location("compare_decode_long", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def run(name, ratios):
+        pts = [dict(pair="decode-tc", dtype="bfloat16", head_dim=128, group=8, batch=1, kv_len=n, status="ok",
+                    ratio=r, **{"tensor-core_ms": 0.04}) for n, r in ratios]
+        (tmp_path / name).write_text(json.dumps({"families": {"crossover": {"points": pts}}}))
+        return str(tmp_path / name)
+    runs = [run("a.json", [(8192, 1.0), (16384, 1.4)]), run("b.json", [(16384, 0.7)]), str(tmp_path / "gone.json")]
+    text = compare.table(["-", "SERVEATTN_DECODE_MAX_SLOTS=32", "X=1"], [compare.points_of(p) for p in runs])
+    rows = text.splitlines()
+    assert rows[0].startswith("| KV dtype |") and "today: bandwidth / tc" in rows[0] and len(rows) == 4
+    assert rows[2] == "| bfloat16 | 8 | 1x8192 | 0.0400 | 1.000 | - | - | today | 1.00x |"
+    assert rows[3] == "| bfloat16 | 8 | 1x16384 | 0.0400 | 1.400 | 0.700 | - | SERVEATTN_DECODE_MAX_SLOTS=32 | 2.00x |"
