@@ -35,7 +35,7 @@ PROGRAMS_PER_SM = 2
 # starts as soon as the last chunk is written (1 x 8192 in a CUDA graph 0.0337 -> 0.0309 ms, docs/performance.md).
 # SERVEATTN_DECODE_FUSED_MERGE=0 launches merge_kernel instead, =heads merge_kernel a query head a program (for
 # measuring; kernels/decode.MERGE_PER_HEAD).
-FUSED_MERGE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1") == "1"
+FUSED_MERGE = decode_kernel.MERGE_MODE == "1"
 
 
 def _programs_per_sm() -> int:

@@ -793,3 +793,39 @@ def test_triton_refuses_a_gpu_older_than_sm80(monkeypatch):
             backend.resolve("plan", "triton", torch.device("cuda", 0))
     finally:
         policy._cuda_properties.cache_clear()
+
+
+def test_the_crossovers_restated_rule_is_routings(monkeypatch):
+    """bench crossover's taken_route (which lists where a derived table loses) restates routing's rule on plain
+    values; with the derived tables installed, routing itself takes the same route at every point of this
+    project's H200 runs (session 34: bf16 prefill and decode, fp8 decode)."""
+    import json
+    import os
+    from serveattn.bench import crossover
+
+    runs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "runs")
+    points = []
+    for name in ("2026-12-05T1712-h200-bench-crossover.json", "2026-12-05T1711-h200-bench-crossover-fp8.json"):
+        points += json.load(open(os.path.join(runs, name)))["families"]["crossover"]["points"]
+    cudnn, decode = crossover.derive_cudnn(points), crossover.derive_decode(points)
+    _table(monkeypatch, cudnn_min_rows={k: lo for k, (lo, hi) in cudnn.items()},
+           cudnn_max_rows={k: hi for k, (lo, hi) in cudnn.items() if hi is not None},
+           decode_tc_min_programs_per_sm=decode)
+    dtypes = {"bfloat16": BF16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+    checked = 0
+    for p in points:
+        taken = crossover.taken_route(p, cudnn, decode)
+        if taken is None:
+            continue
+        if p["pair"] == "prefill-cudnn":
+            n = p["qo_len"]
+            req = pf(num_qo_heads=8 * p["group"], causal=p["causal"], batch=p["batch"], min_qo_len=n, max_qo_len=n,
+                     min_kv_len=n, max_kv_len=n)
+            routed = "cudnn" if routing.cudnn_slower(req) is None else "triton"
+        else:
+            req = dec(num_qo_heads=8 * p["group"], kv_dtype=dtypes[p["dtype"]], batch=p["batch"])
+            assert req.programs_per_sm == pytest.approx(p["programs_per_sm"])
+            routed = "tensor-core" if routing.decode_tensor_cores(req)[0] else "bandwidth"
+        assert routed == taken, p
+        checked += 1
+    assert checked > 150

@@ -334,33 +334,39 @@ def derive_decode(points: List[dict]) -> Dict[tuple, Optional[float]]:
                        lambda p: p["ratio"] >= 1)
 
 
+def taken_route(p: dict, cudnn: dict, decode: dict) -> Optional[str]:
+    """The route routing's rule (routing.cudnn_slower, routing.decode_tensor_cores with use_tensor_cores=False)
+    takes at a measured point under the derived tables; None where they do not hold its config (or the pair has
+    no table). tests/test_routing.py checks it against routing itself on a real run's points."""
+    first, second = PAIRS[p["pair"]]
+    if p["pair"] == "prefill-cudnn":
+        key = (p["dtype"], p["head_dim"], p["group"], p["causal"])
+        if key not in cudnn:
+            return None
+        lo, hi = cudnn[key]
+        return first if lo is not None and p["qo_len"] >= lo and (hi is None or p["qo_len"] < hi) else second
+    if p["pair"] == "decode-tc":
+        key = (p["dtype"], p["head_dim"], p["group"])
+        if key not in decode:
+            return None
+        return first if decode[key] is None or p["programs_per_sm"] < decode[key] else second
+    return None
+
+
 def slower_routes(points: List[dict], cudnn: dict, decode: dict) -> List[dict]:
     """The measured points where the derived table takes the slower route (ties excepted), worst first: the cost
     of keying prefill on length only and decode on a minimum programs per SM. Each: the point's pair and shape,
     the route taken, and how much slower it was (its time over the other's)."""
     out = []
     for p in points:
-        if not _ok(p):
+        taken = taken_route(p, cudnn, decode) if _ok(p) else None
+        if taken is None:
             continue
-        first, second = PAIRS[p["pair"]]
-        if p["pair"] == "prefill-cudnn":
-            key = (p["dtype"], p["head_dim"], p["group"], p["causal"])
-            if key not in cudnn:
-                continue
-            lo, hi = cudnn[key]
-            takes_first = lo is not None and p["qo_len"] >= lo and (hi is None or p["qo_len"] < hi)
-        elif p["pair"] == "decode-tc":
-            key = (p["dtype"], p["head_dim"], p["group"])
-            if key not in decode:
-                continue
-            takes_first = decode[key] is None or p["programs_per_sm"] < decode[key]
-        else:
-            continue
-        slower = p["ratio"] if takes_first else 1.0 / p["ratio"]
+        slower = p["ratio"] if taken == PAIRS[p["pair"]][0] else 1.0 / p["ratio"]
         if slower > 1.0:
             out.append(dict(pair=p["pair"], dtype=p["dtype"], group=p["group"], batch=p["batch"],
                             length=p["qo_len"] if p["pair"] == "prefill-cudnn" else p["kv_len"],
-                            causal=p.get("causal"), taken=first if takes_first else second, slower=slower))
+                            causal=p.get("causal"), taken=taken, slower=slower))
     return sorted(out, key=lambda m: -m["slower"])
 
 

@@ -59,7 +59,9 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
 # each query head in a program of its own, the KV group's heads side by side instead of one program's serial fold
 # (one long request of a large group: 64 slots x 8 heads, session 34). Its blocking follows one row, so its bits
 # are its own (deterministic), not the fused fold's.
-MERGE_PER_HEAD = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1") == "heads"
+# the one read of SERVEATTN_DECODE_FUSED_MERGE: "1" (the fold fused, serveattn/decode.FUSED_MERGE), "0", "heads"
+MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1")
+MERGE_PER_HEAD = MERGE_MODE == "heads"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
