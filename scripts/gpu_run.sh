@@ -298,6 +298,8 @@ step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (un
   # the settings side by side: bandwidth / tensor-core per point and setting, the best and its gain
   python3 scripts/compare_decode_long.py "--settings=$settings" \
     $(for j in $(seq "${#list[@]}"); do echo "$OUT/probe-decode-long-$j.json"; done) | tee "$OUT/probe-decode-long-compare.md"
+  # one archive: the device tool brings back a handful of files a call (session 35 lost the sixth JSON)
+  (cd "$OUT" && tar czf probe-decode-long-json.tgz probe-decode-long-*.json && rm -f probe-decode-long-*.json)
   return "$rc"
 }
 
