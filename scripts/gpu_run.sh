@@ -12,7 +12,7 @@
 #   scripts/gpu_run.sh probe-compile         # cold / warm first-call time of decode and prefill (~1-2 min)
 #   scripts/gpu_run.sh probe-decode-tiles    # bf16 and fp8 bandwidth decode under candidate tiles, groups 1/4/8
 #   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
-#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route, compared (~4-5 min)
+#   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route, compared (~1 min a setting)
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
@@ -280,7 +280,9 @@ step_probe_decode_split() {  # split-KV at small batch under other split setting
 step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (under each setting) vs the tensor-core route
   # LONG_SETTINGS: ";"-separated settings, each a space-separated list of VAR=value (one crossover process each);
   # "-" is today's rule. The tensor-core route's column is the same kernel in every process: the yardstick.
-  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=32;SERVEATTN_DECODE_MAX_SLOTS=16;SERVEATTN_DECODE_MIN_CHUNK=512;SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_FUSED_MERGE=heads"}
+  # Default: today's rule against session 34's (no slot cap, every fold fused). LONG_BATCHES / LONG_KV_LENS /
+  # LONG_GROUPS widen the points.
+  local settings=${LONG_SETTINGS:-"-;SERVEATTN_DECODE_MAX_SLOTS=0 SERVEATTN_DECODE_FUSED_MERGE=1"}
   local list st i=0 rc=0
   IFS=';' read -ra list <<< "$settings"
   {
@@ -289,7 +291,8 @@ step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (un
       echo "== $st"
       [ "$st" = "-" ] && st=""
       env $st timeout 150 python3 -m serveattn.bench crossover --pairs decode-tc --dtypes bfloat16,float8_e4m3fn \
-        --groups 1,4,8 --decode-batches 1,2 --decode-kv-lens 8192,16384,32768 --no-write \
+        --groups "${LONG_GROUPS:-1,4,8}" --decode-batches "${LONG_BATCHES:-1,2}" \
+        --decode-kv-lens "${LONG_KV_LENS:-8192,16384,32768}" --no-write \
         --json "$OUT/probe-decode-long-$i.json" || rc=$?
     done
     [ "$rc" = 0 ]

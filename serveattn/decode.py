@@ -31,11 +31,9 @@ from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
 PROGRAMS_PER_SM = 2
-# The decode kernel's last program of a split (request, KV head) folds its chunks: no merge launch, and the fold
-# starts as soon as the last chunk is written (1 x 8192 in a CUDA graph 0.0337 -> 0.0309 ms, docs/performance.md).
-# SERVEATTN_DECODE_FUSED_MERGE=0 launches merge_kernel instead, =heads merge_kernel a query head a program (for
-# measuring; kernels/decode.MERGE_PER_HEAD).
-FUSED_MERGE = decode_kernel.MERGE_MODE == "1"
+# A split request's chunks are folded by the decode kernel's last program of each (request, KV head) (no merge
+# launch: 1 x 8192 in a CUDA graph 0.0337 -> 0.0309 ms, docs/performance.md) or, from 8 rows a KV head, by
+# merge_kernel a query head a program: kernels/decode.merge_kind, a plan's `merge`.
 
 
 def _programs_per_sm() -> int:
@@ -43,6 +41,10 @@ def _programs_per_sm() -> int:
     tuning runs only, like SERVEATTN_DECODE_MIN_CHUNK)."""
     return int(knobs.get("SERVEATTN_DECODE_PROGRAMS_PER_SM", str(PROGRAMS_PER_SM)))
 MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in parallelism
+# At most this many chunks a request: past it a fold of many slots costs more than the parallelism gains (H100,
+# session 35: 1 x 16384 keys, 64 -> 32 chunks, bandwidth / tensor-core route 1.01 -> 0.88 at group 1, 1.08 -> 0.93
+# at group 4; 8K and two requests unchanged). SERVEATTN_DECODE_MAX_SLOTS overrides it (measuring; 0: no cap).
+MAX_SLOTS = 32
 
 
 def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int = 1) -> bool:
@@ -126,6 +128,7 @@ class DecodePlan:
     part_o: Optional[torch.Tensor] = None
     part_lse: Optional[torch.Tensor] = None
     q_len: int = 1  # query rows per request: 1, or a chain's k draft tokens
+    merge: str = "fused"  # how split requests are folded: kernels/decode.merge_kind
     # kernels/decode.launch's per-plan memo of what every run launches with (a fresh one for each plan, replace()
     # included: init=False)
     launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -152,10 +155,7 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
-        # SERVEATTN_DECODE_MAX_SLOTS (measuring only, unset: no cap): at most that many chunks a request. One
-        # program folds a (request, KV head)'s slots x group rows, so one long request of a large group waits on
-        # a long fold (1 x 16384, group 8: 64 slots; docs/performance.md, session 34)
-        max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", "0"))
+        max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", str(MAX_SLOTS)))
         if max_slots > 0:
             splits = min(splits, max_slots)
         chunk = max(int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))), -(-max_kv // splits))
@@ -228,7 +228,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         self._partials_memo = None  # ((heads, head dim), the workspace views of _partials)
         self._kept = staging.Kept()  # the device buffer each plan's arrays are copied into (staging.to_device)
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
-        self._done_count: Optional[torch.Tensor] = None  # FUSED_MERGE: per (request, KV head), zero between runs
+        self._done_count: Optional[torch.Tensor] = None  # fused folds: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
         self._graph_bufs: Optional[staging.Captured] = None
         self._graph_q_rows: Optional[int] = None  # the bandwidth route's first run() under CUDA graphs: q's rows
@@ -403,9 +403,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         else:
             _check_partials_room(entry, self._workspace, plan.num_slots * plan.q_len, *key)
         partials = self._partials_memo[1]
-        names = _device_arrays()
+        names = _device_arrays(plan)
         if not self._use_cuda_graph:  # the plan is this call's own: set the partials and device arrays in place
-            self._ensure_done_count(plan.batch, plan.num_kv_heads)
+            self._ensure_done_count(plan, plan.batch)
             for name, t in (*partials.items(), *staging.to_device({n: getattr(plan, n) for n in names},
                                                                   self.device, self._kept).items()):
                 setattr(plan, name, t)
@@ -428,7 +428,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             check_capacity(entry, name, staging.size(getattr(plan, name)), bufs.caps[name], _GRAPH_BUFFER_SOURCE[name])
         # every check passed: only now are the captured buffers (and the counts a captured graph reads) replaced
         # or overwritten (one staged copy, staging.to_buffers)
-        self._ensure_done_count(self._graph_cap, plan.num_kv_heads)
+        self._ensure_done_count(plan, self._graph_cap)
         arrays = {n: getattr(plan, n) for n in names}
         if "req_num_slots" in arrays:
             slots = np.zeros(bufs.caps["req_num_slots"], dtype=np.int32)  # requests past the batch: no merge
@@ -440,12 +440,13 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             setattr(plan, name, bufs[name])
         self._plan = plan
 
-    def _ensure_done_count(self, batch: int, num_kv_heads: int) -> None:
-        """FUSED_MERGE's completion counts, one per (request, KV head): allocated (zeroed) here, never inside run()
+    def _ensure_done_count(self, plan: DecodePlan, batch: int) -> None:
+        """A fused fold's completion counts, one per (request, KV head): allocated (zeroed) here, never inside run()
         (a captured graph must not re-zero them), and only once a plan has passed every check (a refused re-plan
         must leave the counts its predecessor's graph reads)."""
-        if FUSED_MERGE and (self._done_count is None or self._done_count.numel() < batch * num_kv_heads):
-            self._done_count = torch.zeros(max(batch, 1) * num_kv_heads, dtype=torch.int32, device=self.device)
+        need = batch * plan.num_kv_heads
+        if plan.merge == "fused" and (self._done_count is None or self._done_count.numel() < need):
+            self._done_count = torch.zeros(max(batch, 1) * plan.num_kv_heads, dtype=torch.int32, device=self.device)
 
     def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
         cap = self._graph_cap
@@ -602,7 +603,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
         num_work=np.array([n], dtype=np.int32),
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        last_page_len=last_page_len, q_len=q_len)
+        last_page_len=last_page_len, q_len=q_len, merge=decode_kernel.merge_kind(num_qo_heads // num_kv_heads, q_len))
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):
@@ -627,14 +628,14 @@ _KERNEL_ARRAYS = ("work", "num_work", "kv_indices")
 _MERGE_ARRAYS = ("req_first_slot", "req_num_slots")
 
 
-def _device_arrays():
+def _device_arrays(plan: DecodePlan):
     """The plan arrays a plan copies to the device (fewer arrays, less host time a plan)."""
-    return _KERNEL_ARRAYS if FUSED_MERGE else _KERNEL_ARRAYS + _MERGE_ARRAYS
+    return _KERNEL_ARRAYS if plan.merge == "fused" else _KERNEL_ARRAYS + _MERGE_ARRAYS
 
 
 def _to_device(plan: DecodePlan, device) -> DecodePlan:
     """Copies (never aliases: the caller may reuse its index tensors) the plan's device arrays to the device."""
-    return replace(plan, **staging.to_device({n: getattr(plan, n) for n in _device_arrays()}, device))
+    return replace(plan, **staging.to_device({n: getattr(plan, n) for n in _device_arrays(plan)}, device))
 
 
 def _grid(plan: DecodePlan, use_cuda_graph: bool):
@@ -771,6 +772,7 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     grid0, merge_rows = _grid(plan, False)
     policy.check_scales(entry, q.device, plan.sm_scale, k_scale=k_scale, v_scale=v_scale)
     # completion counts only where a fold happens (an unsplit call launches no merge of either kind)
-    done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if FUSED_MERGE and plan.num_slots else None
+    fused = plan.merge == "fused" and plan.num_slots
+    done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if fused else None
     decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -105,18 +105,19 @@ def test_split_counts_agree(device):
 
 def test_split_rule_and_its_measuring_knobs(monkeypatch):
     """choose_chunk on the H200's 132 SMs: split while batch x KV heads is under 2 programs an SM, into a power of
-    two of chunks of at least MIN_CHUNK tokens (multiples of the tile); SERVEATTN_DECODE_MAX_SLOTS caps the chunks a
-    request (measuring only; unset, no cap)."""
+    two of chunks of at least MIN_CHUNK tokens (multiples of the tile), at most MAX_SLOTS (32) a request;
+    SERVEATTN_DECODE_MAX_SLOTS overrides the cap (measuring only; 0: no cap)."""
     from serveattn.decode import choose_chunk
 
     def chunk(kv_lens, heads=8):
         return choose_chunk(np.array(kv_lens), heads, 132, 64, None, False)
     assert (chunk([16384]), chunk([8192]), chunk([4096] * 8), chunk([2048] * 32), chunk([1024] * 64)) == \
-        (256, 256, 512, 1024, None)
-    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "32")
-    assert (chunk([16384]), chunk([8192]), chunk([32768]), chunk([16384], heads=1)) == (512, 256, 1024, 512)
+        (512, 256, 512, 1024, None)
+    assert (chunk([32768]), chunk([16384], heads=1), chunk([16384] * 2)) == (1024, 512, 512)
+    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "16")
+    assert (chunk([16384]), chunk([8192]), chunk([4096] * 8)) == (1024, 512, 512)
     monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "0")
-    assert chunk([16384]) == 256
+    assert (chunk([16384]), chunk([32768])) == (256, 512)
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
@@ -149,7 +150,7 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     """The split-KV fold done by each (request, KV head)'s last decode program gives the merge kernel's bits (one
     request with many chunks, one with two, one empty (decode) or short, one unsplit); its completion counts are
     zero after every run, so the next run (or graph replay) starts clean; the result matches the reference."""
-    from serveattn import decode as decode_mod
+    from serveattn.kernels import decode as decode_kernel
 
     gen = torch.Generator().manual_seed(33 + q_len)
     kv_lens = [700, 100, 0 if q_len == 1 else q_len, 20]  # a chain needs kv_len >= its draft tokens
@@ -158,7 +159,7 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     ws = torch.empty(8 << 20, dtype=torch.uint8, device=device)
     results = {}
     for fused in (False, True):
-        monkeypatch.setattr(decode_mod, "FUSED_MERGE", fused)
+        monkeypatch.setattr(decode_kernel, "MERGE_MODE", "1" if fused else "0")
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
                fixed_split_size=32, q_len_per_req=q_len)
@@ -182,13 +183,11 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
 
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
-    """SERVEATTN_DECODE_FUSED_MERGE=heads (measuring): merge_kernel folds each query head in a program of its own
-    (GROUP 1 and one row a draft token): every row written, the reference's result, the same bits run to run."""
-    from serveattn import decode as decode_mod
+    """SERVEATTN_DECODE_FUSED_MERGE=heads: merge_kernel folds each query head in a program of its own (GROUP 1 and
+    one row a draft token): every row written, the reference's result, the same bits run to run."""
     from serveattn.kernels import decode as decode_kernel
 
-    monkeypatch.setattr(decode_mod, "FUSED_MERGE", False)
-    monkeypatch.setattr(decode_kernel, "MERGE_PER_HEAD", True)
+    monkeypatch.setattr(decode_kernel, "MERGE_MODE", "heads")
     gen = torch.Generator().manual_seed(44 + q_len)
     kv_lens = [500, 0 if q_len == 1 else q_len, 90]
     b = make_paged_batch(gen, qo_lens=[q_len] * 3, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
@@ -207,6 +206,44 @@ def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
                                              causal=True)
     assert not out.isnan().any() and rel_err(out, ref_out) < 1e-2
     check_lse(lse, ref_lse)
+
+
+def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
+    """Unforced, a split request is folded in the decode kernel below 8 rows a KV head (group x draft tokens) and by
+    merge_kernel a query head a program from 8 on (the fused fold is serial in its rows; docs/performance.md)."""
+    from serveattn.kernels import decode as decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "MERGE_MODE", "auto")
+    assert [decode_kernel.merge_kind(g, 1) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
+    assert decode_kernel.merge_kind(4, 2) == decode_kernel.merge_kind(1, 8) == "heads"
+    assert decode_kernel.merge_kind(1, 7) == "fused"
+    for mode, kind in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
+        monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
+        assert decode_kernel.merge_kind(8, 1) == decode_kernel.merge_kind(1, 1) == kind
+
+
+def test_one_wrapper_moves_between_merge_kinds(device):
+    """A wrapper re-planned from a group that folds in the kernel (group 2) to one that launches merge_kernel (group
+    8) and back: each plan's result is a fresh wrapper's bits and the reference's; the completion counts stay zero."""
+    gen = torch.Generator().manual_seed(57)
+    ws = torch.empty(8 << 20, dtype=torch.uint8, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+    for num_qo_heads in (4, 16, 4):
+        b = make_paged_batch(gen, qo_lens=[1] * 3, kv_lens=[600, 0, 130], num_qo_heads=num_qo_heads,
+                             num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+        outs = []
+        for wrapper in (w, serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws), backend="triton")):
+            wrapper.plan(b.kv_indptr, b.kv_indices, b.last_page_len, num_qo_heads, 2, 64, 16,
+                         q_data_type=torch.bfloat16, fixed_split_size=64)
+            assert wrapper._plan.merge == ("heads" if num_qo_heads == 16 else "fused") and wrapper._plan.num_slots
+            out = nan_like(b.q.shape, torch.bfloat16, device)
+            wrapper.run(b.q, b.cache, out=out)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+        assert w._done_count is None or int(w._done_count.abs().sum()) == 0
+        ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           causal=True)
+        assert rel_err(outs[0], ref_out) < 1e-2
 
 
 def test_one_plan_serves_every_kind_of_call(device):

@@ -55,13 +55,24 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
         tl.store(where, now, mask=tl.arange(0, dep_rows.shape[0]) == 0)
 
 
-# Measuring only: SERVEATTN_DECODE_FUSED_MERGE=heads (serveattn/decode.py then launches merge_kernel, as for 0) folds
-# each query head in a program of its own, the KV group's heads side by side instead of one program's serial fold
-# (one long request of a large group: 64 slots x 8 heads, session 34). Its blocking follows one row, so its bits
-# are its own (deterministic), not the fused fold's.
-# the one read of SERVEATTN_DECODE_FUSED_MERGE: "1" (the fold fused, serveattn/decode.FUSED_MERGE), "0", "heads"
-MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "1")
-MERGE_PER_HEAD = MERGE_MODE == "heads"
+# How a split request's chunks are folded (merge_kind): "fused", the decode kernel's last program of a (request, KV
+# head) folds its slots x group rows (no merge launch); "heads", merge_kernel a query head a program, the group's
+# heads side by side; "kv_heads", merge_kernel a (request, KV head) a program. The fused fold is serial in the rows:
+# at 8 rows (group 8, or a chain's drafts x group) its wait outweighs a second launch (H100, session 35: 1 x 16384
+# group 8 bandwidth / tensor-core route 1.02 -> 0.91, group 1 fused 0.88 vs heads 0.92; docs/performance.md).
+# Each kind's blocking is its own, so its bits are its own (each deterministic).
+PER_HEAD_MERGE_MIN_ROWS = 8
+# SERVEATTN_DECODE_FUSED_MERGE (measuring only; read once here): "1" always fused, "0" always kv_heads, "heads"
+# always heads; unset or "auto": the rule above
+MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "auto")
+
+
+def merge_kind(group: int, q_len: int) -> str:
+    """The fold a plan of this group and draft count uses when it splits (see PER_HEAD_MERGE_MIN_ROWS)."""
+    forced = {"1": "fused", "0": "kv_heads", "heads": "heads"}.get(MERGE_MODE)
+    if forced is not None:
+        return forced
+    return "heads" if group * q_len >= PER_HEAD_MERGE_MIN_ROWS else "fused"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
@@ -239,7 +250,7 @@ def merge_kernel(
     RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """One program per (request, KV head): folds a split request's partial states (_merge_request). Under
-    MERGE_PER_HEAD the second axis is the query head, launched with GROUP 1 and one row per draft token."""
+    a plan's merge "heads" the second axis is the query head, launched with GROUP 1 and one row per draft token."""
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.load(req_num_slots + req)
@@ -262,7 +273,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         sk = sv = kv_stride_args
     lse_arg = lse if lse is not None else out
     slb, slh = lse.stride()[:2] if lse is not None else (0, 0)
-    fused = done_count is not None and bool(merge_rows)
+    fused = plan.merge == "fused" and bool(merge_rows)
+    assert done_count is not None or not fused, "a fused fold needs the wrapper's completion counts"
     # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
     kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv)
     memo = plan.launch_memo.get(kind)
@@ -282,7 +294,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
         merge_args = _merge_args(plan, out, lse_arg, slb, slh)
         if len(packs) == 1:  # made only where a merge launches (a plan is made every step: a Pack is ~10 us)
             packs.append(Pack(merge_kernel, merge_args, merge_kwargs, (0, 1, 4, 5)))
-        packs[1]((merge_rows, plan.num_qo_heads if MERGE_PER_HEAD else plan.num_kv_heads), *merge_args)
+        packs[1]((merge_rows, plan.num_qo_heads if plan.merge == "heads" else plan.num_kv_heads), *merge_args)
 
 
 def _merge_args(plan, out, lse_arg, slb, slh):
@@ -323,7 +335,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         num_warps=plan.tiles.num_warps,
         num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
-    merge_group, merge_rows = (1, next_pow2(plan.q_len)) if MERGE_PER_HEAD else (plan.group, merge_rows_pad)
+    merge_group, merge_rows = (1, next_pow2(plan.q_len)) if plan.merge == "heads" else (plan.group, merge_rows_pad)
     merge_kwargs = dict(
         NUM_QO_HEADS=plan.num_qo_heads, GROUP=merge_group, ROWS=merge_rows, HEAD_DIM=plan.head_dim,
         RETURN_LSE=return_lse, QLEN=plan.q_len, SLOTS=merge_slots(merge_rows, plan.head_dim),
