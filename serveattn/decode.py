@@ -603,7 +603,9 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         num_work_host=n, num_slots=total_slots, chunk=chunk, work=work,
         num_work=np.array([n], dtype=np.int32),
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
-        last_page_len=last_page_len, q_len=q_len, merge=decode_kernel.merge_kind(num_qo_heads // num_kv_heads, q_len))
+        last_page_len=last_page_len, q_len=q_len, merge=decode_kernel.merge_kind(
+            num_qo_heads // num_kv_heads, q_len,
+            None if fixed_split_size is not None or batch_cap is not None else int(num_slots.max(initial=0))))
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):

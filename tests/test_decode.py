@@ -209,17 +209,42 @@ def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
 
 
 def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
-    """Unforced, a split request is folded in the decode kernel below 8 rows a KV head (group x draft tokens) and by
-    merge_kernel a query head a program from 8 on (the fused fold is serial in its rows; docs/performance.md)."""
+    """Unforced, a split request is folded in the decode kernel below 8 rows a KV head (group x draft tokens); from 8
+    rows by merge_kernel a query head a program where a request has 16 chunks or more, or where the batch must not
+    decide (the fused fold is serial in its rows and chunks; docs/performance.md)."""
     from serveattn.kernels import decode as decode_kernel
 
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", "auto")
-    assert [decode_kernel.merge_kind(g, 1) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
-    assert decode_kernel.merge_kind(4, 2) == decode_kernel.merge_kind(1, 8) == "heads"
-    assert decode_kernel.merge_kind(1, 7) == "fused"
-    for mode, kind in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
+    kind = decode_kernel.merge_kind
+    # the batch may not decide (CUDA graphs, fixed_split_size): the rows alone
+    assert [kind(g, 1, None) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
+    assert kind(4, 2, None) == kind(1, 8, None) == "heads" and kind(1, 7, None) == "fused"
+    # a default plan: from 16 chunks a request (the fused fold's wait grows with rows x chunks)
+    assert [kind(8, 1, c) for c in (0, 2, 8, 15, 16, 32)] == ["fused"] * 4 + ["heads"] * 2
+    assert kind(4, 1, 32) == "fused" and kind(4, 2, 16) == "heads"
+    for mode, forced in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
         monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
-        assert decode_kernel.merge_kind(8, 1) == decode_kernel.merge_kind(1, 1) == kind
+        assert kind(8, 1, None) == kind(1, 1, 32) == kind(8, 1, 2) == forced
+
+
+def test_default_plans_pick_the_merge_by_their_chunks(device, monkeypatch):
+    """Group 8 without a fixed split (the H200's 132 SMs): one long request cut into many chunks is folded by
+    merge_kernel, a batch whose requests have few chunks by the decode kernel; both give the reference's result with
+    every row written."""
+    monkeypatch.setattr(decode, "_num_sms", lambda _device: 132)
+    gen = torch.Generator().manual_seed(61)
+    for kv_lens, want in (([4000], "heads"), ([300] * 3, "fused")):
+        b = make_paged_batch(gen, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=16, num_kv_heads=2,
+                             head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                          backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 16, 2, 64, 16, q_data_type=torch.bfloat16)
+        assert w._plan.merge == want and w._plan.num_slots, (kv_lens, w._plan.merge, w._plan.num_slots)
+        out = nan_like(b.q.shape, torch.bfloat16, device)
+        w.run(b.q, b.cache, out=out)
+        ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           causal=True)
+        assert not out.isnan().any() and rel_err(out, ref_out) < 1e-2
 
 
 def test_one_wrapper_moves_between_merge_kinds(device):

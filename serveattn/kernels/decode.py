@@ -11,6 +11,7 @@ program that finishes a (request, KV head)'s last chunk folds them in chunk orde
 run.
 """
 import os
+from typing import Optional
 
 import triton
 import triton.language as tl
@@ -57,22 +58,28 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
 
 # How a split request's chunks are folded (merge_kind): "fused", the decode kernel's last program of a (request, KV
 # head) folds its slots x group rows (no merge launch); "heads", merge_kernel a query head a program, the group's
-# heads side by side; "kv_heads", merge_kernel a (request, KV head) a program. The fused fold is serial in the rows:
-# at 8 rows (group 8, or a chain's drafts x group) its wait outweighs a second launch (H100, session 35: 1 x 16384
-# group 8 bandwidth / tensor-core route 1.02 -> 0.91, group 1 fused 0.88 vs heads 0.92; docs/performance.md).
-# Each kind's blocking is its own, so its bits are its own (each deterministic).
+# heads side by side; "kv_heads", merge_kernel a (request, KV head) a program. The fused fold is serial in its rows
+# and slots: from 8 rows (group 8, or a chain's drafts x group) and 16 chunks a request its wait outweighs a second
+# launch (H100, session 35, bandwidth / tensor-core route: group 8 1 x 16384 1.28 -> 0.90, 4 x 4096 1.00 -> 0.92;
+# at 8 chunks (8 x 4096) within 1% either way, at 4 (16 requests) fused 1-3% faster; group 4 at 32 chunks fused
+# 3% faster; docs/performance.md). Each kind's blocking is its own, so its bits are its own (each deterministic).
 PER_HEAD_MERGE_MIN_ROWS = 8
+PER_HEAD_MERGE_MIN_CHUNKS = 16
 # SERVEATTN_DECODE_FUSED_MERGE (measuring only; read once here): "1" always fused, "0" always kv_heads, "heads"
 # always heads; unset or "auto": the rule above
 MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "auto")
 
 
-def merge_kind(group: int, q_len: int) -> str:
-    """The fold a plan of this group and draft count uses when it splits (see PER_HEAD_MERGE_MIN_ROWS)."""
+def merge_kind(group: int, q_len: int, most_chunks: Optional[int]) -> str:
+    """The fold of a plan's split requests. most_chunks: the most chunks a request of the plan has (0: none split);
+    None where the batch must not decide, so the rows alone do: under CUDA graphs (the captured launches hold for
+    every re-plan) and for fixed_split_size (a request's bits must not depend on its batch)."""
     forced = {"1": "fused", "0": "kv_heads", "heads": "heads"}.get(MERGE_MODE)
     if forced is not None:
         return forced
-    return "heads" if group * q_len >= PER_HEAD_MERGE_MIN_ROWS else "fused"
+    if group * q_len < PER_HEAD_MERGE_MIN_ROWS:
+        return "fused"
+    return "heads" if most_chunks is None or most_chunks >= PER_HEAD_MERGE_MIN_CHUNKS else "fused"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
