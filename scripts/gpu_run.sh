@@ -14,6 +14,7 @@
 #   scripts/gpu_run.sh probe-decode-split    # small-batch decode (eager and graph) under other split-KV targets
 #   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route, compared (~1 min a setting)
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
+#   scripts/gpu_run.sh probe-ws-balance      # prefill's balanced persistent grid: its GPU tests, then causal crossover points off / on (~5 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
@@ -303,6 +304,24 @@ step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (un
     $(for j in $(seq "${#list[@]}"); do echo "$OUT/probe-decode-long-$j.json"; done) | tee "$OUT/probe-decode-long-compare.md"
   # one archive: the device tool brings back a handful of files a call (session 35 lost the sixth JSON)
   (cd "$OUT" && tar czf probe-decode-long-json.tgz probe-decode-long-*.json && rm -f probe-decode-long-*.json)
+  return "$rc"
+}
+
+step_probe_ws_balance() {  # the warp-specialized prefill's balanced persistent grid (SERVEATTN_PREFILL_WS_BALANCE=1):
+  # its GPU tests under it, then the prefill crossover's causal points off and on (cuDNN the yardstick in both)
+  local rc=0 i
+  SERVEATTN_PREFILL_WS_BALANCE=1 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_ws_gpu.py \
+    tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py 2>&1 | tail -3 | tee "$OUT/probe-ws-balance-tests.txt"
+  rc=${PIPESTATUS[0]}
+  for i in 0 1; do
+    echo "== SERVEATTN_PREFILL_WS_BALANCE=$i"
+    SERVEATTN_PREFILL_WS_BALANCE=$i timeout 240 python3 -m serveattn.bench crossover --pairs prefill-cudnn \
+      --groups "${BAL_GROUPS:-1,4,8}" --prefill-batches "${BAL_BATCHES:-1,8,16}" \
+      --seq-lens "${BAL_SEQ_LENS:-512,1024,2048,4096}" --causal-modes causal --no-write \
+      --json "$OUT/probe-ws-balance-$i.json" 2>&1 | grep -E "^\| (bfloat16|float16)" || rc=1
+  done
+  python3 scripts/compare_prefill_grid.py "$OUT/probe-ws-balance-0.json" "$OUT/probe-ws-balance-1.json" \
+    | tee "$OUT/probe-ws-balance-compare.md"
   return "$rc"
 }
 

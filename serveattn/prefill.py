@@ -133,6 +133,9 @@ class Plan:
     num_merge: int = 0
     split_rows: int = 0
     split: Optional[tuple] = None
+    # the warp-specialized kernel's persistent grid where a smaller one deals this plan's tasks more evenly
+    # (attention_ws.persistent_programs; eager plans under SERVEATTN_PREFILL_WS_BALANCE=1); None: one an SM
+    ws_programs: Optional[int] = None
     # launch arguments made once per plan and kind of call (kernels: launch.Pack); not carried over by replace()
     launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -168,6 +171,19 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     ends = np.cumsum(counts)  # one past each request's last position in the list
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
     return torch.from_numpy(work.reshape(-1)), n
+
+
+def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
+    """build_work's items' costs in key blocks, plus one for the tile's own q load and output store: the
+    persistent kernel's balance model (kernels/attention_ws.persistent_programs). Causal (bottom-right): a tile's
+    last row, token i of qo_len, sees kv_len - qo_len + i + 1 keys."""
+    pairs = np.asarray(work).reshape(-1, 2)
+    req, tile = pairs[:, 0], pairs[:, 1]
+    qo, kv = np.asarray(qo_lens)[req], np.asarray(kv_lens)[req]
+    if causal:
+        last_token = (np.minimum((tile + 1) * block_m, qo * group) - 1) // group
+        kv = kv - qo + last_token + 1
+    return -(-kv // block_n) + 1
 
 
 # split while (work items x KV heads) is at most half this many programs per SM: a plan filling half the GPU or
@@ -413,6 +429,12 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
             work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
         plan.work, plan.num_work_host = work, n
+        if chunk is None and not graph_tiles and n > batch and device.type == "cuda" and \
+                attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "0") == "1":
+            # measuring only until GPU-measured (docs/performance.md, session 35): a balanced persistent grid
+            plan.ws_programs = attention_kernel.attention_ws.persistent_programs(
+                item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
+                num_kv_heads, _num_sms(device))
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len

@@ -159,3 +159,25 @@ def test_compare_decode_long_lines_the_settings_up(tmp_path):
     assert rows[0].startswith("| KV dtype |") and "today: bandwidth / tc" in rows[0] and len(rows) == 4
     assert rows[2] == "| bfloat16 | 8 | 1x8192 | 0.0400 | 1.000 | - | - | today | 1.00x |"
     assert rows[3] == "| bfloat16 | 8 | 1x16384 | 0.0400 | 1.400 | 0.700 | - | SERVEATTN_DECODE_MAX_SLOTS=32 | 2.00x |"
+
+
+def test_compare_prefill_grid_pairs_the_runs(tmp_path):
+    """scripts/compare_prefill_grid.py (probe-ws-balance's summary): a row a point of the first run, our times off
+    and on, on / off, cuDNN over ours in each; a point the second run lacks reads '-'."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "compare_prefill_grid.py")
+    spec = importlib.util.spec_from_file_location("compare_prefill_grid", path)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+
+    def run(name, points):
+        pts = [dict(pair="prefill-cudnn", dtype="bfloat16", group=1, causal=True, batch=b, qo_len=2048,
+                    status="ok", triton_ms=t, cudnn_ms=0.15, ratio=0.15 / t) for b, t in points]
+        (tmp_path / name).write_text(json.dumps({"families": {"crossover": {"points": pts}}}))
+        return str(tmp_path / name)
+    rows = compare.table(compare.points_of(run("off.json", [(1, 0.03), (8, 0.2)])),
+                         compare.points_of(run("on.json", [(8, 0.125)]))).splitlines()
+    assert rows[0].startswith("| dtype | group |") and len(rows) == 4
+    assert rows[2] == "| bfloat16 | 1 | True | 1x2048 | 0.0300 | - | - | 5.00 | - |"
+    assert rows[3] == "| bfloat16 | 1 | True | 8x2048 | 0.2000 | 0.1250 | 0.625 | 0.75 | 1.20 |"

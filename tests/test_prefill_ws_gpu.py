@@ -403,3 +403,45 @@ def test_fp8_attention_single_prefill_takes_the_kernel(ws_calls, monkeypatch):
     out_t = serveattn.single_prefill_with_kv_cache(q8, k8, v8, causal=True, scale_q=s, scale_k=s, scale_v=s,
                                                  backend="triton")
     assert torch.equal(out, out_t)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernel is sm_90 only")
+def test_balanced_grid_gives_the_same_bits(ws_calls, monkeypatch):
+    """SERVEATTN_PREFILL_WS_BALANCE=1: eight equal causal requests, group 1, take a persistent grid below the SM
+    count (attention_ws.persistent_programs; 128 on 132 SMs); every task is computed whole by one program, so
+    the result is the one-program-an-SM grid's, bit for bit, and the reference's."""
+    gen = torch.Generator().manual_seed(2048)
+    qo_lens = [2048] * 8
+    hq = hkv = 8
+    i32 = dict(dtype=torch.int32, device="cuda")
+    indptr = torch.tensor([0] + torch.tensor(qo_lens).cumsum(0).tolist(), **i32)
+    q = torch.randn(sum(qo_lens), hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(sum(qo_lens), hkv, 128, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(sum(qo_lens), hkv, 128, generator=gen).to(torch.bfloat16).cuda()
+    results = {}
+    for balance in ("0", "1"):
+        monkeypatch.setenv("SERVEATTN_PREFILL_WS_BALANCE", balance)
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 24, dtype=torch.uint8, device="cuda"),
+                                                           backend="triton")
+        w.plan(indptr, indptr, hq, hkv, 128, causal=True, q_data_type=torch.bfloat16)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if balance == "1":
+            assert w._plan.ws_programs is not None and w._plan.ws_programs <= sms
+            if sms == 132:
+                assert w._plan.ws_programs == 128
+        else:
+            assert w._plan.ws_programs is None
+        out = nan_like(q.shape, torch.bfloat16, "cuda")
+        lse = nan_like(q.shape[:2], torch.float32, "cuda")
+        w.run(q, k, v, out=out, lse=lse, return_lse=True)
+        again = w.run(q, k, v, return_lse=True)  # the plan's repeated launch keeps the grid
+        torch.cuda.synchronize()
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+        results[balance] = (out, lse)
+    assert all(ws_calls)
+    assert torch.equal(results["0"][0], results["1"][0]) and torch.equal(results["0"][1], results["1"][1])
+    out, lse = results["1"]
+    assert not torch.isnan(out).any()
+    ref_out, ref_lse = reference.batch_ragged(q, k, v, indptr, indptr, causal=True)
+    assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    check_lse(lse, ref_lse)

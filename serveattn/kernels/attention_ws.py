@@ -33,6 +33,7 @@ import os
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -701,6 +702,46 @@ def _num_sms(device: torch.device) -> int:
     return cuda_properties(device)[1]
 
 
+# The persistent grid is dealt statically (_task's snake), so its time is its most loaded program's. Where a
+# batch's tasks repeat with a period near the SM count (equal causal requests: each request's tiles, costliest
+# first, one a KV head), the rounds drift against that period and the snake stops pairing dear tasks with cheap
+# ones: 8 x 2048 keys, group 1, on 132 SMs loads the busiest program 1.68x the mean (128 programs: 1.03x).
+# persistent_programs tries a few smaller grids and keeps the one whose busiest program carries least.
+BALANCE_SPAN = 8  # grids tried: the SM count and up to this many fewer programs
+BALANCED = 1.02  # a busiest program within this factor of the mean: the SM count's grid stands
+
+
+def program_loads(task_costs: np.ndarray, programs: int) -> np.ndarray:
+    """Each program's summed task cost under _task's deal (round r: tasks r*P .. r*P + P-1, to programs 0..P-1 on
+    even rounds, P-1..0 on odd ones; _num_rounds gives the last, partial round's tasks to the same programs)."""
+    rounds = -(-task_costs.size // programs)
+    dealt = np.zeros(rounds * programs)
+    dealt[: task_costs.size] = task_costs
+    dealt = dealt.reshape(rounds, programs)
+    dealt[1::2] = dealt[1::2, ::-1]
+    return np.add.reduce(dealt, axis=0)
+
+
+def persistent_programs(item_costs: np.ndarray, num_kv_heads: int, num_sms: int) -> int:
+    """The persistent grid for a plan whose work items cost item_costs each (one task an item and KV head, the
+    KV head fastest): the SM count unless a grid of up to BALANCE_SPAN fewer programs leaves its busiest program
+    less to do. A task is computed whole by one program, so the grid changes no bit of the result."""
+    task_costs = np.repeat(item_costs.astype(np.float64), num_kv_heads)
+    if task_costs.size <= num_sms:
+        return int(task_costs.size)
+    total = float(np.add.reduce(task_costs))
+    best_programs, best_load = num_sms, float(np.maximum.reduce(program_loads(task_costs, num_sms)))
+    if best_load <= BALANCED * total / num_sms:
+        return num_sms
+    for programs in range(num_sms - 1, num_sms - BALANCE_SPAN - 1, -1):
+        load = float(np.maximum.reduce(program_loads(task_costs, programs)))
+        if load < best_load:
+            best_programs, best_load = programs, load
+            if load <= BALANCED * total / programs:
+                break
+    return best_programs
+
+
 SCALES_AT = 24  # launch(): where (qk_scale, v_scale, k_scale_ptr, v_scale_ptr) stand among the kernel's arguments
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.float8_e5m2: gl.float8e5}
@@ -903,11 +944,12 @@ def launch(q, k, v, out, lse, plan, sk, sv, grid0: int, qk_scale: float, v_scale
     if max(k_rows, v_rows) >= 2 ** 31:
         return False
     q_desc = _q_descriptor(q, plan.group, plan.head_dim)
-    # one program per SM (its registers allow no second): grid0 x KV heads tasks at most;
-    # SERVEATTN_PREFILL_WS_PERSISTENT=0 gives every task its own program (measuring only)
+    # one program per SM (its registers allow no second): grid0 x KV heads tasks at most, or the plan's balanced
+    # grid (prefill.make_plan: persistent_programs); SERVEATTN_PREFILL_WS_PERSISTENT=0 gives every task its own
+    # program (measuring only)
     programs = grid0 * plan.num_kv_heads
     if knobs.get("SERVEATTN_PREFILL_WS_PERSISTENT", "1") == "1":
-        programs = min(programs, _num_sms(q.device))
+        programs = min(programs, plan.ws_programs or _num_sms(q.device))
     kind = (lse is not None, ks_dev, vs_dev, fp8, q_desc is not None)
     pack = plan.launch_memo.get(kind)
     args = (q, k_desc if q_desc is None else q_desc, k_desc, v_desc, out, lse_arg,
