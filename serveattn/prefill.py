@@ -432,9 +432,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         if chunk is None and not graph_tiles and n > batch and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "0") == "1":
             # measuring only until GPU-measured (docs/performance.md, session 35): a balanced persistent grid
+            same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
             plan.ws_programs = attention_kernel.attention_ws.persistent_programs(
                 item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
-                num_kv_heads, _num_sms(device))
+                num_kv_heads, _num_sms(device), n // batch if same_tiles else None)
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len
