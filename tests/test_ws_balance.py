@@ -90,3 +90,17 @@ def test_the_grid_never_loads_its_busiest_program_more():
             continue
         assert 132 - attention_ws.BALANCE_SPAN <= programs <= 132
         assert attention_ws.program_loads(tasks, programs).max() <= attention_ws.program_loads(tasks, 132).max()
+
+
+def test_past_the_search_rounds_aligned_grids_are_tried():
+    """19 requests of 4096 tokens, group 1: 4864 tasks, past SEARCH_ROUNDS x 132, so only grids whose rounds hold
+    whole halves of a request are tried (128: a request's 256 tasks in two rounds, each tile met by its mirror);
+    told nothing of the requests, the plan keeps 132."""
+    qo = np.full(19, 4096)
+    work, n = build_work(qo, qo, 1, 128, True)
+    costs = item_costs(work.numpy(), qo, qo, 1, 128, 128, True)
+    assert n * 8 > attention_ws.SEARCH_ROUNDS * 132
+    assert attention_ws.persistent_programs(costs, 8, 132, n // 19) == 128
+    assert attention_ws.persistent_programs(costs, 8, 132, None) == 132
+    tasks = np.repeat(costs, 8)
+    assert attention_ws.program_loads(tasks, 128).max() < 0.8 * attention_ws.program_loads(tasks, 132).max()
