@@ -15,6 +15,7 @@
 #   scripts/gpu_run.sh probe-decode-long     # 1-2 requests of 8K-32K keys: bandwidth kernel (split / merge settings) vs tensor-core route, compared (~1 min a setting)
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-ws-balance      # prefill's balanced persistent grid: its GPU tests, then causal crossover points off / on (~5 min)
+#   scripts/gpu_run.sh probe-prefill-order   # prefill_kernel's tiles costliest first: its GPU tests, then head-dim-256 causal points off / on (~4 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
@@ -322,6 +323,24 @@ step_probe_ws_balance() {  # the warp-specialized prefill's balanced persistent 
   done
   python3 scripts/compare_prefill_grid.py "$OUT/probe-ws-balance-0.json" "$OUT/probe-ws-balance-1.json" \
     | tee "$OUT/probe-ws-balance-compare.md"
+  return "$rc"
+}
+
+step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first over the batch (SERVEATTN_PREFILL_ORDER=cost):
+  # prefill GPU tests under it, then head-dim-256 causal crossover points (prefill_kernel's, not the WS kernel's) off / on
+  local rc=0 i
+  SERVEATTN_PREFILL_ORDER=cost timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_order.py \
+    tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py 2>&1 | tail -3 | tee "$OUT/probe-prefill-order-tests.txt"
+  rc=${PIPESTATUS[0]}
+  for i in "" cost; do
+    echo "== SERVEATTN_PREFILL_ORDER=$i"
+    SERVEATTN_PREFILL_ORDER=$i timeout 240 python3 -m serveattn.bench crossover --pairs prefill-cudnn \
+      --head-dims "${ORDER_HEAD_DIMS:-256}" --groups "${ORDER_GROUPS:-1,4}" --prefill-batches "${ORDER_BATCHES:-1,8,16}" \
+      --seq-lens "${ORDER_SEQ_LENS:-512,1024,2048}" --causal-modes causal --no-write \
+      --json "$OUT/probe-prefill-order-${i:-off}.json" 2>&1 | grep -E "^\| (bfloat16|float16)" || rc=1
+  done
+  python3 scripts/compare_prefill_grid.py "$OUT/probe-prefill-order-off.json" "$OUT/probe-prefill-order-cost.json" \
+    | tee "$OUT/probe-prefill-order-compare.md"
   return "$rc"
 }
 

@@ -146,11 +146,16 @@ class Plan:
                 self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.tree_mask_host is not None)
 
 
-def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
+def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False):
     """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
     16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
+
+    costliest_first (measuring only, SERVEATTN_PREFILL_ORDER=cost): every tile of the batch costliest first (the keys its
+    last row sees; ties in request order), for prefill_kernel's eager grid, whose KV head is the slow axis: the
+    programs running at once share one KV head's K/V of every request, and the grid ends on the cheapest tiles
+    instead of the last request's dearest (docs/performance.md, session 35).
 
     numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper. The lengths
     are host tensors or numpy arrays (the plan's own)."""
@@ -170,7 +175,13 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool):
     work[:, 0] = np.repeat(by_cost, counts)
     ends = np.cumsum(counts)  # one past each request's last position in the list
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
-    return torch.from_numpy(work.reshape(-1)), n
+    if costliest_first:
+        req, tile = work[:, 0], work[:, 1]
+        keys = kv[req]
+        if causal:
+            keys = keys - qo[req] + (np.minimum((tile.astype(np.int64) + 1) * block_m, qo[req] * group) - 1) // group
+        work = work[np.argsort(-keys, kind="stable")]
+    return torch.from_numpy(np.ascontiguousarray(work).reshape(-1)), n
 
 
 def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
@@ -403,6 +414,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        if knobs.get("SERVEATTN_PREFILL_ORDER", "") == "cost" and chosen == "triton" and not graph_tiles and \
+                n > batch and not _warp_specialized(plan, kv_lens, False):
+            # measuring only until GPU-measured: prefill_kernel's eager grid, costliest tile of the batch first
+            work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal, costliest_first=True)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv) and the
         # warp-specialized kernel would not take the plan (chain verify k=64 ran 1.7x slower on split items than on

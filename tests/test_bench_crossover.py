@@ -172,12 +172,15 @@ def test_compare_prefill_grid_pairs_the_runs(tmp_path):
     spec.loader.exec_module(compare)
 
     def run(name, points):
-        pts = [dict(pair="prefill-cudnn", dtype="bfloat16", group=1, causal=True, batch=b, qo_len=2048,
+        pts = [dict(pair="prefill-cudnn", dtype="bfloat16", head_dim=128, group=1, causal=True, batch=b, qo_len=2048,
                     status="ok", triton_ms=t, cudnn_ms=0.15, ratio=0.15 / t) for b, t in points]
+        pts.append(dict(pair="prefill-cudnn", dtype="bfloat16", head_dim=256, group=1, causal=True, batch=1,
+                        qo_len=512, status="declined", triton_ms=0.01, ratio=None))  # cuDNN declined: ours timed
         (tmp_path / name).write_text(json.dumps({"families": {"crossover": {"points": pts}}}))
         return str(tmp_path / name)
     rows = compare.table(compare.points_of(run("off.json", [(1, 0.03), (8, 0.2)])),
                          compare.points_of(run("on.json", [(8, 0.125)]))).splitlines()
-    assert rows[0].startswith("| dtype | group |") and len(rows) == 4
-    assert rows[2] == "| bfloat16 | 1 | True | 1x2048 | 0.0300 | - | - | 5.00 | - |"
-    assert rows[3] == "| bfloat16 | 1 | True | 8x2048 | 0.2000 | 0.1250 | 0.625 | 0.75 | 1.20 |"
+    assert rows[0].startswith("| dtype | head dim | group |") and len(rows) == 5
+    assert rows[2] == "| bfloat16 | 128 | 1 | True | 1x2048 | 0.0300 | - | - | 5.00 | - |"
+    assert rows[3] == "| bfloat16 | 128 | 1 | True | 8x2048 | 0.2000 | 0.1250 | 0.625 | 0.75 | 1.20 |"
+    assert rows[4] == "| bfloat16 | 256 | 1 | True | 1x512 | 0.0100 | 0.0100 | 1.000 | - | - |"

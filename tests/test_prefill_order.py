@@ -1,0 +1,53 @@
+"""SERVEATTN_PREFILL_ORDER=cost (measuring only): prefill_kernel's eager plans list every tile of the batch
+costliest first (prefill.build_work's costliest_first) instead of request by request. The order moves no bit: each
+(request, tile) is computed whole by one program."""
+import numpy as np
+import pytest
+import torch
+
+import serveattn
+from serveattn import reference
+from serveattn.prefill import build_work
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_by_cost_lists_the_same_tiles_costliest_first(causal):
+    qo, kv = np.array([300, 0, 40, 129]), np.array([300, 7, 900, 129])
+    today, n = build_work(qo, kv, 2, 64, causal)
+    ordered, m = build_work(qo, kv, 2, 64, causal, costliest_first=True)
+    pairs, by_cost = today.numpy().reshape(n, 2), ordered.numpy().reshape(m, 2)
+    assert m == n and sorted(map(tuple, pairs)) == sorted(map(tuple, by_cost))
+    req, tile = by_cost[:, 0], by_cost[:, 1]
+    keys = kv[req] - (qo[req] - (np.minimum((tile + 1) * 64, qo[req] * 2) - 1) // 2 if causal else 0)
+    assert np.all(np.diff(keys) <= 0)
+
+
+def test_order_moves_no_bit(device, monkeypatch):
+    """A paged causal batch (shuffled pages, a partial last page, an empty request) planned both ways: the same
+    bits, every element written, the reference's result; the knob's plan lists its tiles costliest first."""
+    gen = torch.Generator().manual_seed(91)
+    qo_lens, kv_lens = [70, 0, 33, 130], [200, 5, 33, 260]
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    results = {}
+    for order in ("", "cost"):
+        monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                          backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, causal=True,
+               q_data_type=torch.bfloat16, disable_split_kv=True)
+        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        results[order] = out, lse, w._plan
+    (out, lse, plan), (out_c, lse_c, plan_c) = results[""], results["cost"]
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert not torch.isnan(out).any()
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+    check_lse(lse, ref_lse)
+    if device == "cpu":  # prefill_kernel's plan (the warp-specialized kernel keeps the request-by-request order)
+        pairs = plan_c.work.cpu().numpy().reshape(-1, 2)
+        last_tile_of_3 = pairs[pairs[:, 0] == 3, 1].max()  # request 3's last tile sees all 260 keys: the dearest
+        assert tuple(pairs[0]) == (3, last_tile_of_3) and not torch.equal(plan.work.cpu(), plan_c.work.cpu())
