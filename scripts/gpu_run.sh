@@ -308,40 +308,36 @@ step_probe_decode_long() {  # one or two long requests: the bandwidth kernel (un
   return "$rc"
 }
 
-step_probe_ws_balance() {  # the warp-specialized prefill's balanced persistent grid (SERVEATTN_PREFILL_WS_BALANCE=1):
-  # its GPU tests under it, then the prefill crossover's causal points off and on (cuDNN the yardstick in both)
-  local rc=0 i
-  SERVEATTN_PREFILL_WS_BALANCE=1 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_ws_gpu.py \
-    tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py 2>&1 | tail -3 | tee "$OUT/probe-ws-balance-tests.txt"
+prefill_switch_probe() {  # $1 name, $2 a switch read at plan time, $3 its off value, $4 its on value, $5 test files,
+  # $6 crossover point options: the tests under the switch on, then the crossover's causal prefill points off and
+  # on (cuDNN the yardstick in both), side by side in $OUT/$1-compare.md
+  local name=$1 var=$2 off=$3 on=$4 rc=0 value
+  # shellcheck disable=SC2086
+  env "$var=$on" timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider $5 2>&1 | tail -3 | tee "$OUT/$name-tests.txt"
   rc=${PIPESTATUS[0]}
-  for i in 0 1; do
-    echo "== SERVEATTN_PREFILL_WS_BALANCE=$i"
-    SERVEATTN_PREFILL_WS_BALANCE=$i timeout 240 python3 -m serveattn.bench crossover --pairs prefill-cudnn \
-      --groups "${BAL_GROUPS:-1,4,8}" --prefill-batches "${BAL_BATCHES:-1,8,16}" \
-      --seq-lens "${BAL_SEQ_LENS:-512,1024,2048,4096}" --causal-modes causal --no-write \
-      --json "$OUT/probe-ws-balance-$i.json" 2>&1 | grep -E "^\| (bfloat16|float16)" || rc=1
+  for value in "$off" "$on"; do
+    echo "== $var=$value"
+    # shellcheck disable=SC2086
+    env "$var=$value" timeout 240 python3 -m serveattn.bench crossover --pairs prefill-cudnn $6 --causal-modes causal \
+      --no-write --json "$OUT/$name-$([ "$value" = "$on" ] && echo on || echo off).json" 2>&1 \
+      | grep -E "^\| (bfloat16|float16)" || rc=1
   done
-  python3 scripts/compare_prefill_grid.py "$OUT/probe-ws-balance-0.json" "$OUT/probe-ws-balance-1.json" \
-    | tee "$OUT/probe-ws-balance-compare.md"
+  python3 scripts/compare_prefill_grid.py "$OUT/$name-off.json" "$OUT/$name-on.json" | tee "$OUT/$name-compare.md"
+  (cd "$OUT" && tar czf "$name-json.tgz" "$name-off.json" "$name-on.json" && rm -f "$name-off.json" "$name-on.json")
   return "$rc"
 }
 
-step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first over the batch (SERVEATTN_PREFILL_ORDER=cost):
-  # prefill GPU tests under it, then head-dim-256 causal crossover points (prefill_kernel's, not the WS kernel's) off / on
-  local rc=0 i
-  SERVEATTN_PREFILL_ORDER=cost timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_order.py \
-    tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py 2>&1 | tail -3 | tee "$OUT/probe-prefill-order-tests.txt"
-  rc=${PIPESTATUS[0]}
-  for i in "" cost; do
-    echo "== SERVEATTN_PREFILL_ORDER=$i"
-    SERVEATTN_PREFILL_ORDER=$i timeout 240 python3 -m serveattn.bench crossover --pairs prefill-cudnn \
-      --head-dims "${ORDER_HEAD_DIMS:-256}" --groups "${ORDER_GROUPS:-1,4}" --prefill-batches "${ORDER_BATCHES:-1,8,16}" \
-      --seq-lens "${ORDER_SEQ_LENS:-512,1024,2048}" --causal-modes causal --no-write \
-      --json "$OUT/probe-prefill-order-${i:-off}.json" 2>&1 | grep -E "^\| (bfloat16|float16)" || rc=1
-  done
-  python3 scripts/compare_prefill_grid.py "$OUT/probe-prefill-order-off.json" "$OUT/probe-prefill-order-cost.json" \
-    | tee "$OUT/probe-prefill-order-compare.md"
-  return "$rc"
+step_probe_ws_balance() {  # the warp-specialized prefill's balanced persistent grid (SERVEATTN_PREFILL_WS_BALANCE=1)
+  prefill_switch_probe probe-ws-balance SERVEATTN_PREFILL_WS_BALANCE 0 1 \
+    "tests/test_prefill_ws_gpu.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
+    "--groups ${BAL_GROUPS:-1,4,8} --prefill-batches ${BAL_BATCHES:-1,8,16} --seq-lens ${BAL_SEQ_LENS:-512,1024,2048,4096}"
+}
+
+step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first (SERVEATTN_PREFILL_ORDER=cost), at head dim
+  # 256 (prefill_kernel's, not the warp-specialized kernel's)
+  prefill_switch_probe probe-prefill-order SERVEATTN_PREFILL_ORDER "" cost \
+    "tests/test_prefill_order.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
+    "--head-dims ${ORDER_HEAD_DIMS:-256} --groups ${ORDER_GROUPS:-1,4} --prefill-batches ${ORDER_BATCHES:-1,8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
 }
 
 step_probe_chain_tiles() {  # chains of 8 drafts x group 4 = 32 rows: the bandwidth kernel's 32-row tiles
