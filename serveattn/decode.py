@@ -163,18 +163,20 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
     return chunk if chunk < max_kv else None
 
 
-def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int]):
+def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int], costliest_first: bool = False):
     """Work items int32 [ITEM_INTS n]: (request, kv_lo, kv_hi, slot, the request's first page (or token), its KV
     length, its first slot, its slot count), and each request's first slot and slot count (for merge_kernel):
-    numpy arrays, the plan's own until _install stages them. kv_start: each request's first page (or token)."""
+    numpy arrays, the plan's own until _install stages them. kv_start: each request's first page (or token).
+    costliest_first (measuring only, SERVEATTN_DECODE_ORDER=cost): items with the most keys first (ties in
+    request order), so that a ragged batch's long requests do not start in the grid's last wave (each item
+    carries its own slot: the order moves no bit)."""
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
         work = np.zeros((batch, ITEM_INTS), dtype=np.int32)
-        work[:, 0] = np.arange(batch)
-        work[:, 2] = kv
+        work[:, 0] = np.argsort(-kv, kind="stable") if costliest_first else np.arange(batch)
+        work[:, 2] = work[:, 5] = kv[work[:, 0]]
         work[:, 3] = -1
-        work[:, 4] = kv_start
-        work[:, 5] = kv
+        work[:, 4] = kv_start[work[:, 0]]
         return work.reshape(-1), batch, np.zeros(batch, dtype=np.int32), np.zeros(batch, dtype=np.int32), 0
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
@@ -185,6 +187,8 @@ def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int]
     first_slot = np.cumsum(slots_per_req) - slots_per_req
     slot = np.where(n_chunks[req] > 1, first_slot[req] + index, -1)
     work = np.stack([req, lo, hi, slot, kv_start[req], kv[req], first_slot[req], slots_per_req[req]], 1)
+    if costliest_first:
+        work = work[np.argsort(lo - hi, kind="stable")]
     return (work.reshape(-1).astype(np.int32), int(req.size), first_slot.astype(np.int32),
             slots_per_req.astype(np.int32), int(slots_per_req.sum()))
 
@@ -588,11 +592,12 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads),
                          batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
-    work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
+    order = knobs.get("SERVEATTN_DECODE_ORDER", "") == "cost"  # measuring only until GPU-measured (session 35)
+    work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk, order)
     if chunk is not None and fixed_split_size is None and workspace is not None and \
             total_slots * q_len > _slot_capacity(workspace, num_qo_heads, head_dim):
         chunk = None
-        work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk)
+        work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk, order)
     return DecodePlan(
         paged=kv_indices is not None, device=device, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         group=num_qo_heads // num_kv_heads, head_dim=head_dim, page_size=page_size,

@@ -271,6 +271,37 @@ def test_one_wrapper_moves_between_merge_kinds(device):
         assert rel_err(outs[0], ref_out) < 1e-2
 
 
+@pytest.mark.parametrize("split", [None, 64])
+def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
+    """SERVEATTN_DECODE_ORDER=cost (measuring only): the plan lists its items with the most keys first (a split
+    request's chunks among them); each item carries its own slot, so the result is the request-order plan's, bit
+    for bit, every row written, the reference's."""
+    gen = torch.Generator().manual_seed(71)
+    kv_lens = [90, 700, 0, 330, 41]
+    b = make_paged_batch(gen, qo_lens=[1] * 5, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    results = {}
+    for order in ("", "cost"):
+        monkeypatch.setenv("SERVEATTN_DECODE_ORDER", order)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                          backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               fixed_split_size=split, disable_split_kv=split is None)
+        items = w._plan.work.cpu().numpy().reshape(-1, decode.ITEM_INTS)
+        keys = items[:, 2] - items[:, 1]
+        assert (np.all(np.diff(keys) <= 0) if order else list(items[:, 0]) == sorted(items[:, 0]))
+        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        results[order] = out, lse
+    assert torch.equal(results[""][0], results["cost"][0]) and torch.equal(results[""][1], results["cost"][1])
+    out, lse = results["cost"]
+    assert not out.isnan().any()
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+
+
 def test_one_plan_serves_every_kind_of_call(device):
     """run() keeps the kernel arguments it derives from the plan per kind of call (with or without the LSE, float or
     tensor scales, K/V of one tensor or two with other strides): every kind, in any order on one plan, gives the
