@@ -444,7 +444,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
             work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
         plan.work, plan.num_work_host = work, n
-        if chosen == "triton" and chunk is None and not graph_tiles and n > batch and device.type == "cuda" and \
+        # one request's tiles deal evenly on the SM count already (the model, 256-32768 rows, groups 1-8): batches only
+        if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "0") == "1":
             # measuring only until GPU-measured (docs/performance.md, session 35): a balanced persistent grid
             same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
