@@ -152,10 +152,11 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
     16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
 
-    costliest_first (measuring only, SERVEATTN_PREFILL_ORDER=cost): every tile of the batch costliest first (the keys its
-    last row sees; ties in request order), for prefill_kernel's eager grid, whose KV head is the slow axis: the
-    programs running at once share one KV head's K/V of every request, and the grid ends on the cheapest tiles
-    instead of the last request's dearest (docs/performance.md, session 35).
+    costliest_first (measuring only, SERVEATTN_PREFILL_ORDER=cost): every tile of the batch costliest first (the
+    keys its last row sees; ties in request order), for prefill_kernel's eager grid, whose KV head is the slow
+    axis (unlike the warp-specialized kernel's tasks, KV head fastest): the programs running at once share one KV
+    head's K/V of every request, and the grid ends on the cheapest tiles instead of the last request's dearest
+    (docs/performance.md, session 35).
 
     numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper. The lengths
     are host tensors or numpy arrays (the plan's own)."""
