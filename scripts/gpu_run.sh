@@ -331,14 +331,14 @@ prefill_switch_probe() {  # $1 name, $2 a switch read at plan time, $3 its off v
 step_probe_ws_balance() {  # the warp-specialized prefill's balanced persistent grid (SERVEATTN_PREFILL_WS_BALANCE=1)
   prefill_switch_probe probe-ws-balance SERVEATTN_PREFILL_WS_BALANCE 0 1 \
     "tests/test_prefill_ws_gpu.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
-    "--groups ${BAL_GROUPS:-1,4,8} --prefill-batches ${BAL_BATCHES:-1,8,16} --seq-lens ${BAL_SEQ_LENS:-512,1024,2048,4096}"
+    "--groups ${BAL_GROUPS:-1,4,8} --prefill-batches ${BAL_BATCHES:-8,16} --seq-lens ${BAL_SEQ_LENS:-512,1024,2048,4096}"
 }
 
 step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first (SERVEATTN_PREFILL_ORDER=cost), at head dim
   # 256 (prefill_kernel's, not the warp-specialized kernel's)
   prefill_switch_probe probe-prefill-order SERVEATTN_PREFILL_ORDER "" cost \
     "tests/test_prefill_order.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
-    "--head-dims ${ORDER_HEAD_DIMS:-256} --groups ${ORDER_GROUPS:-1,4} --prefill-batches ${ORDER_BATCHES:-1,8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
+    "--head-dims ${ORDER_HEAD_DIMS:-256} --groups ${ORDER_GROUPS:-1,4} --prefill-batches ${ORDER_BATCHES:-8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
 }
 
 step_probe_decode_ragged() {  # ragged decode batches, items in request order vs longest first (SERVEATTN_DECODE_ORDER=cost)
