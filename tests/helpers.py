@@ -104,6 +104,19 @@ def nan_like(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def run_under_switch(monkeypatch, name: str, values, planned, q, cache, device):
+    """{value: (out, lse, wrapper)}: for each value of the environment switch `name` (read at plan time), the
+    wrapper planned(value) returns (planned under it) run on q and the cache into poisoned out and lse."""
+    results = {}
+    for value in values:
+        monkeypatch.setenv(name, value)
+        w = planned(value)
+        out, lse = nan_like(q.shape, q.dtype, device), nan_like(q.shape[:2], torch.float32, device)
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+        results[value] = out, lse, w
+    return results
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -8,7 +8,7 @@ import torch
 
 import serveattn
 from serveattn import decode, reference
-from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, run_under_switch, tolerance
 
 GQA = [(4, 4), (8, 2), (8, 1)]
 SPLITS = ["off", "two", "many"]
@@ -280,9 +280,7 @@ def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
     kv_lens = [90, 700, 0, 330, 41]
     b = make_paged_batch(gen, qo_lens=[1] * 5, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                          page_size=16, dtype=torch.bfloat16, device=device)
-    results = {}
-    for order in ("", "cost"):
-        monkeypatch.setenv("SERVEATTN_DECODE_ORDER", order)
+    def planned(order):
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
                                                           backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
@@ -290,11 +288,10 @@ def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
         items = w._plan.work.cpu().numpy().reshape(-1, decode.ITEM_INTS)
         keys = items[:, 2] - items[:, 1]
         assert (np.all(np.diff(keys) <= 0) if order else list(items[:, 0]) == sorted(items[:, 0]))
-        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
-        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
-        results[order] = out, lse
+        return w
+    results = run_under_switch(monkeypatch, "SERVEATTN_DECODE_ORDER", ("", "cost"), planned, b.q, b.cache, device)
     assert torch.equal(results[""][0], results["cost"][0]) and torch.equal(results[""][1], results["cost"][1])
-    out, lse = results["cost"]
+    out, lse, _ = results["cost"]
     assert not out.isnan().any()
     ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                              causal=True)

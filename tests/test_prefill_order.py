@@ -8,7 +8,7 @@ import torch
 import serveattn
 from serveattn import reference
 from serveattn.prefill import build_work
-from helpers import check_lse, make_paged_batch, nan_like, rel_err, tolerance
+from helpers import check_lse, make_paged_batch, rel_err, run_under_switch, tolerance
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -30,17 +30,15 @@ def test_order_moves_no_bit(device, monkeypatch):
     qo_lens, kv_lens = [70, 0, 33, 130], [200, 5, 33, 260]
     b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
                          page_size=16, dtype=torch.bfloat16, device=device)
-    results = {}
-    for order in ("", "cost"):
-        monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
+    def planned(_order):
         w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
                                                           backend="triton")
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, causal=True,
                q_data_type=torch.bfloat16, disable_split_kv=True)
-        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
-        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
-        results[order] = out, lse, w._plan
-    (out, lse, plan), (out_c, lse_c, plan_c) = results[""], results["cost"]
+        return w
+    results = run_under_switch(monkeypatch, "SERVEATTN_PREFILL_ORDER", ("", "cost"), planned, b.q, b.cache, device)
+    (out, lse, w), (out_c, lse_c, w_c) = results[""], results["cost"]
+    plan, plan_c = w._plan, w_c._plan
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
     assert not torch.isnan(out).any()
     ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
