@@ -176,12 +176,8 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     work[:, 0] = np.repeat(by_cost, counts)
     ends = np.cumsum(counts)  # one past each request's last position in the list
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
-    if costliest_first:
-        req, tile = work[:, 0], work[:, 1]
-        keys = kv[req]
-        if causal:
-            keys = keys - qo[req] + (np.minimum((tile.astype(np.int64) + 1) * block_m, qo[req] * group) - 1) // group
-        work = work[np.argsort(-keys, kind="stable")]
+    if costliest_first:  # by the keys each tile's last row sees (item_costs in single keys)
+        work = work[np.argsort(-item_costs(work, qo, kv, group, block_m, 1, causal), kind="stable")]
     return torch.from_numpy(np.ascontiguousarray(work).reshape(-1)), n
 
 

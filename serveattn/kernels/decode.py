@@ -81,6 +81,7 @@ def merge_kind(group: int, q_len: int, most_chunks: Optional[int]) -> str:
         return "fused"
     return "heads" if most_chunks is None or most_chunks >= PER_HEAD_MERGE_MIN_CHUNKS else "fused"
 
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
