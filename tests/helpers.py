@@ -120,6 +120,15 @@ def run_under_switch(monkeypatch, name: str, values, planned, q, cache, device):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def script_module(name: str):
+    """scripts/<name>.py loaded as a module (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compile_for_sm90(dump, *args: str, **env: str) -> None:
     """scripts/compile_probe.py with args (its ttgir/ptx/llir/sass written into the folder dump) in a fresh process:
     the suite runs under TRITON_INTERPRET=1, which neither Gluon nor a real compile takes; env: switches to set."""

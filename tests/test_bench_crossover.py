@@ -7,6 +7,7 @@ import pytest
 
 from serveattn.bench import common, crossover
 from serveattn.bench.__main__ import FAMILIES, build_parser
+from helpers import script_module
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -138,20 +139,10 @@ def test_command_line():
     assert all(p["batch"] * p["qo_len"] <= crossover.MAX_PREFILL_TOKENS for p in pre) and len(pre) == 60
 
 
-def _script(name):
-    """scripts/<name>.py loaded as a module (the scripts are not a package)."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", name + ".py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_decode_long_lines_the_settings_up(tmp_path):
     """scripts/compare_decode_long.py (probe-decode-long's summary): a row a point, a column a setting, the best
     setting and its gain on the first; a point one run lacks, or a run's missing JSON, reads '-'."""
-    compare = _script("compare_decode_long")
+    compare = script_module("compare_decode_long")
 
     def run(name, ratios):
         pts = [dict(pair="decode-tc", dtype="bfloat16", head_dim=128, group=8, batch=1, kv_len=n, status="ok",
@@ -169,7 +160,7 @@ def test_compare_decode_long_lines_the_settings_up(tmp_path):
 def test_compare_prefill_grid_pairs_the_runs(tmp_path):
     """scripts/compare_prefill_grid.py (probe-ws-balance's summary): a row a point of the first run, our times off
     and on, on / off, cuDNN over ours in each; a point the second run lacks reads '-'."""
-    compare = _script("compare_prefill_grid")
+    compare = script_module("compare_prefill_grid")
 
     def run(name, points):
         pts = [dict(pair="prefill-cudnn", dtype="bfloat16", head_dim=128, group=1, causal=True, batch=b, qo_len=2048,

@@ -104,3 +104,18 @@ def test_past_the_search_rounds_aligned_grids_are_tried():
     assert attention_ws.persistent_programs(costs, 8, 132, None) == 132
     tasks = np.repeat(costs, 8)
     assert attention_ws.program_loads(tasks, 128).max() < 0.8 * attention_ws.program_loads(tasks, 132).max()
+
+
+def test_deal_model_script_recovers_a_fit(tmp_path):
+    """scripts/deal_model.py (the model against a crossover run): times made by the model itself (2 us a block +
+    7 us) come back as that fit with no error, and a balanced grid never reads slower than the SM count's."""
+    import json
+    from helpers import script_module
+    model = script_module("deal_model")
+    points = [dict(pair="prefill-cudnn", causal=True, group=g, batch=b, qo_len=n, cudnn_ms=0.1,
+                   triton_ms=2e-3 * model.busiest(b, n, g, 0.0, 132, False) + 7e-3)
+              for g in (1, 4) for b in (1, 8) for n in (512, 2048)]
+    (tmp_path / "x.json").write_text(json.dumps({"families": {"crossover": {"points": points}}}))
+    a, b, rows = model.fit(model.points_of(str(tmp_path / "x.json")), 0.0, 132)
+    assert abs(a - 2e-3) < 1e-9 and abs(b - 7e-3) < 1e-9
+    assert all(abs(m - p["triton_ms"]) < 1e-9 and balanced <= m + 1e-12 for p, m, balanced in rows)
