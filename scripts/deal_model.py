@@ -27,12 +27,11 @@ def busiest(batch: int, length: int, group: int, overhead: float, sms: int, bala
     """The busiest program's blocks for `batch` causal requests of `length` tokens (the grid balanced or not)."""
     qo = np.full(batch, length)
     work, n = build_work(qo, qo, group, BLOCK, True)
-    blocks = item_costs(work.numpy(), qo, qo, group, BLOCK, BLOCK, True) - 1  # item_costs counts one for the q
-    tasks = np.repeat(blocks + overhead, KV_HEADS).astype(np.float64)
+    costs = item_costs(work.numpy(), qo, qo, group, BLOCK, BLOCK, True)  # key blocks + 1 (the plan's model)
+    tasks = np.repeat(costs - 1 + overhead, KV_HEADS).astype(np.float64)  # this fit's: key blocks + overhead
     if tasks.size <= sms:
         return float(tasks.max())
-    programs = attention_ws.persistent_programs(blocks + 1, KV_HEADS, sms, n // batch) if balanced and batch > 1 \
-        else sms
+    programs = attention_ws.persistent_programs(costs, KV_HEADS, sms, n // batch) if balanced and batch > 1 else sms
     return float(attention_ws.program_loads(tasks, programs).max())
 
 

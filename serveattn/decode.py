@@ -610,7 +610,7 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len, q_len=q_len, merge=decode_kernel.merge_kind(
             num_qo_heads // num_kv_heads, q_len,
-            None if fixed_split_size is not None or batch_cap is not None else int(num_slots.max(initial=0))))
+            None if fixed_split_size is not None or batch_cap is not None else num_slots))
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):

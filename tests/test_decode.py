@@ -220,11 +220,12 @@ def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
     assert [kind(g, 1, None) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
     assert kind(4, 2, None) == kind(1, 8, None) == "heads" and kind(1, 7, None) == "fused"
     # a default plan: from 16 chunks a request (the fused fold's wait grows with rows x chunks)
-    assert [kind(8, 1, c) for c in (0, 2, 8, 15, 16, 32)] == ["fused"] * 4 + ["heads"] * 2
-    assert kind(4, 1, 32) == "fused" and kind(4, 2, 16) == "heads"
+    assert [kind(8, 1, np.array([0, c])) for c in (0, 2, 8, 15, 16, 32)] == ["fused"] * 4 + ["heads"] * 2
+    assert kind(4, 1, np.array([32])) == "fused" and kind(4, 2, np.array([16])) == "heads"
+    assert kind(8, 1, np.zeros(0, dtype=np.int32)) == "fused"  # an empty batch
     for mode, forced in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
         monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
-        assert kind(8, 1, None) == kind(1, 1, 32) == kind(8, 1, 2) == forced
+        assert kind(8, 1, None) == kind(1, 1, np.array([32])) == kind(8, 1, np.array([2])) == forced
 
 
 def test_default_plans_pick_the_merge_by_their_chunks(device, monkeypatch):

@@ -13,6 +13,7 @@ run.
 import os
 from typing import Optional
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -70,16 +71,19 @@ PER_HEAD_MERGE_MIN_CHUNKS = 16
 MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "auto")
 
 
-def merge_kind(group: int, q_len: int, most_chunks: Optional[int]) -> str:
-    """The fold of a plan's split requests. most_chunks: the most chunks a request of the plan has (0: none split);
-    None where the batch must not decide, so the rows alone do: under CUDA graphs (the captured launches hold for
-    every re-plan) and for fixed_split_size (a request's bits must not depend on its batch)."""
+def merge_kind(group: int, q_len: int, chunks: Optional[np.ndarray]) -> str:
+    """The fold of a plan's split requests. chunks: each request's chunk count (0: unsplit), read only where the
+    rows allow a merge launch (plan() is paid every step); None where the batch must not decide, so the rows alone
+    do: under CUDA graphs (the captured launches hold for every re-plan) and for fixed_split_size (a request's
+    bits must not depend on its batch)."""
     forced = {"1": "fused", "0": "kv_heads", "heads": "heads"}.get(MERGE_MODE)
     if forced is not None:
         return forced
     if group * q_len < PER_HEAD_MERGE_MIN_ROWS:
         return "fused"
-    return "heads" if most_chunks is None or most_chunks >= PER_HEAD_MERGE_MIN_CHUNKS else "fused"
+    if chunks is None:
+        return "heads"
+    return "heads" if chunks.size and int(np.maximum.reduce(chunks)) >= PER_HEAD_MERGE_MIN_CHUNKS else "fused"
 
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
