@@ -134,7 +134,7 @@ class Plan:
     split_rows: int = 0
     split: Optional[tuple] = None
     # the warp-specialized kernel's persistent grid where a smaller one deals this plan's tasks more evenly
-    # (attention_ws.persistent_programs; eager plans under SERVEATTN_PREFILL_WS_BALANCE=1); None: one an SM
+    # (attention_ws.persistent_programs; eager plans, SERVEATTN_PREFILL_WS_BALANCE=0 turns it off); None: one an SM
     ws_programs: Optional[int] = None
     # launch arguments made once per plan and kind of call (kernels: launch.Pack); not carried over by replace()
     launch_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -443,8 +443,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         plan.work, plan.num_work_host = work, n
         # one request's tiles deal evenly on the SM count already (the model, 256-32768 rows, groups 1-8): batches only
         if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
-                attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "0") == "1":
-            # measuring only until GPU-measured (docs/performance.md, session 35): a balanced persistent grid
+                attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
+            # a balanced persistent grid (on since session 36: causal batches of 8-16 up to 1.5x, docs/performance.md)
             same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
             plan.ws_programs = attention_kernel.attention_ws.persistent_programs(
                 item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
