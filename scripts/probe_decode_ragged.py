@@ -1,13 +1,14 @@
-"""Decode of ragged batches (GPU): the bandwidth kernel's plan with its items in request order against the same
-plan with the longest items first (SERVEATTN_DECODE_ORDER=cost, read at plan time), eager and replayed from a
-CUDA graph, alternating in one process, the same inputs.
+"""Decode of ragged batches (GPU): the bandwidth kernel's plans under settings read at plan time, eager and replayed
+from a CUDA graph, alternating in one process on the same inputs; the first variant is the yardstick.
 
     PYTHONPATH=$PWD python3 scripts/probe_decode_ragged.py [--batches 64,128,256] [--groups 4,8] [--rounds 3]
+        [--variants "off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default="]
 
-A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768) or uniform in 1..8192, one draw a
-(batch, distribution), on shuffled pages. The bench (`python -m serveattn.bench decode`) has equal lengths
-only: there the order cannot matter. Prints a row a case: the two orders' do_bench medians (best of the rounds)
-and cost / request order (below 1: the order helps), and whether the two outputs are bitwise equal.
+A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
+with one request of 32768 (outlier), one draw a (batch, distribution), on shuffled pages. The bench (`python -m
+serveattn.bench decode`) has equal lengths only. Prints a row a case: each variant's do_bench median (best of
+the rounds), its time over the first variant's (below 1: faster), and whether every variant's output equals the
+first's bitwise (a split changes the bits, as a split plan's do; an order alone must not).
 """
 import argparse
 import os
@@ -24,6 +25,8 @@ HKV, D, PS = 8, 128, 16
 def lengths(dist: str, batch: int, rng) -> np.ndarray:
     if dist == "uniform":
         return rng.integers(1, 8193, batch)
+    if dist == "outlier":
+        return np.array([1024] * (batch - 1) + [32768])[rng.permutation(batch)]
     return np.minimum(np.exp(rng.normal(7.5, 1.0, batch)).astype(np.int64) + 1, 32768)
 
 
@@ -39,10 +42,10 @@ def inputs(kv_lens: np.ndarray, group: int, gen):
     return indptr, indices, last, cache, q
 
 
-def runner(order: str, graph: bool, args_in, group: int):
-    """(call, out) for the wrapper planned under SERVEATTN_DECODE_ORDER=order, eager or captured."""
+def runner(settings: dict, graph: bool, args_in, group: int):
+    """(call, out) for the wrapper planned under the settings (environment variables), eager or captured."""
     indptr, indices, last, cache, q = args_in
-    os.environ["SERVEATTN_DECODE_ORDER"] = order
+    os.environ.update(settings)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kw = {}
     if graph:
@@ -51,7 +54,8 @@ def runner(order: str, graph: bool, args_in, group: int):
                   paged_kv_last_page_len_buffer=torch.empty_like(last))
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton", **kw)
     w.plan(indptr, indices, last, HKV * group, HKV, D, PS, q_data_type=torch.bfloat16)
-    os.environ.pop("SERVEATTN_DECODE_ORDER")
+    for name in settings:
+        os.environ.pop(name)
     out = torch.empty_like(q)
     w.run(q, cache, out=out)
     if not graph:
@@ -63,36 +67,50 @@ def runner(order: str, graph: bool, args_in, group: int):
     return (lambda: (w, g.replay())), out  # the closure keeps the wrapper (its plan buffers) alive
 
 
+def parse_variants(text: str) -> dict:
+    """"name=VAR:value,VAR:value;name=..." -> {name: {VAR: value}}"""
+    variants = {}
+    for part in text.split(";"):
+        name, _, pairs = part.partition("=")
+        variants[name] = dict(pair.split(":", 1) for pair in pairs.split(",") if pair)
+    return variants
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="64,128,256")
     ap.add_argument("--groups", default="4,8")
-    ap.add_argument("--dists", default="lognormal,uniform")
+    ap.add_argument("--dists", default="lognormal,uniform,outlier")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default=")
     args = ap.parse_args()
     common.require_cuda()
-    print("| dist | group | batch | KV keys (sum, max) | form | request order ms | costliest first ms | cost / request "
-          "| bitwise |")
-    print("| --- " * 9 + "|")
+    variants = parse_variants(args.variants)
+    names = list(variants)
+    print("| dist | group | batch | KV keys (sum, max) | form | " + " | ".join(f"{n} ms" for n in names) + " | "
+          + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | bitwise |")
+    print("| --- " * (6 + 2 * len(names) - 1) + "|")
     for dist in args.dists.split(","):
         for batch in map(int, args.batches.split(",")):
             kv_lens = lengths(dist, batch, np.random.default_rng(batch))
             for group in map(int, args.groups.split(",")):
                 data = inputs(kv_lens, group, torch.Generator().manual_seed(batch * 10 + group))
                 for graph in (False, True):
-                    calls = {order: runner(order, graph, data, group) for order in ("", "cost")}
+                    calls = {n: runner(variants[n], graph, data, group) for n in names}
                     for call, _ in calls.values():
                         call()
                     torch.cuda.synchronize()
-                    same = torch.equal(calls[""][1], calls["cost"][1])
-                    times = {"": [], "cost": []}
-                    for _ in range(args.rounds):  # the two orders alternate
-                        for order in times:
-                            times[order].append(common.bench_ms(calls[order][0], 10, 50))
-                    best = {order: min(ms) for order, ms in times.items()}
+                    same = [torch.equal(calls[names[0]][1], calls[n][1]) for n in names[1:]]
+                    times = {n: [] for n in names}
+                    for _ in range(args.rounds):  # the variants alternate
+                        for n in names:
+                            times[n].append(common.bench_ms(calls[n][0], 10, 50))
+                    best = {n: min(ms) for n, ms in times.items()}
                     print(f"| {dist} | {group} | {batch} | {int(kv_lens.sum())}, {int(kv_lens.max())} | "
-                          f"{'graph' if graph else 'eager'} | {best['']:.4f} | {best['cost']:.4f} | "
-                          f"{best['cost'] / best['']:.3f} | {same} |", flush=True)
+                          f"{'graph' if graph else 'eager'} | " + " | ".join(f"{best[n]:.4f}" for n in names)
+                          + " | " + " | ".join(f"{best[n] / best[names[0]]:.3f}" for n in names[1:])
+                          + f" | {'/'.join(str(x) for x in same)} |", flush=True)
+                    del calls
 
 
 if __name__ == "__main__":

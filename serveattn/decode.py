@@ -45,6 +45,12 @@ MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in
 # session 35: 1 x 16384 keys, 64 -> 32 chunks, bandwidth / tensor-core route 1.01 -> 0.88 at group 1, 1.08 -> 0.93
 # at group 4; 8K and two requests unchanged). SERVEATTN_DECODE_MAX_SLOTS overrides it (measuring; 0: no cap).
 MAX_SLOTS = 32
+# A full GPU's batch is split where a request holds more than RAGGED_SKEW x the keys a program would carry with
+# the batch spread evenly, into chunks of that share / RAGGED_SPLIT (choose_chunk's _ragged_chunk): with the items
+# longest first, ragged batches of 64-256 requests took 0.12-0.70x the time, equal lengths unchanged (H100,
+# session 36, scripts/probe_decode_ragged.py). SERVEATTN_DECODE_RAGGED_SPLIT overrides it (0: off).
+RAGGED_SKEW = 1
+RAGGED_SPLIT = 2
 
 
 def prefer_tensor_cores(num_qo_heads: int, num_kv_heads: int, q_len_per_req: int = 1) -> bool:
@@ -149,9 +155,9 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
     else:
         programs = kv_lens.size * num_kv_heads
         target = _programs_per_sm() * num_sms
-        if programs >= target:
-            return None
         max_kv = int(kv_lens.max())
+        if programs >= target:
+            return _ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n)
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
@@ -163,11 +169,29 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
     return chunk if chunk < max_kv else None
 
 
+def _ragged_chunk(kv_lens: np.ndarray, max_kv: int, num_kv_heads: int, target: int, block_n: int) -> Optional[int]:
+    """A full GPU's batch split only where its longest requests would outlast the rest: one program streams
+    ~13 GB/s (H100: 16 MB of one 32768-key request in 1.3 ms), so `target` of them in flight make the copy
+    bandwidth, and the batch's bandwidth-bound time is about a program's time for its keys over `target`
+    programs (per_program). A request of more than RAGGED_SKEW x that is cut into power-of-two chunks of
+    per_program / SERVEATTN_DECODE_RAGGED_SPLIT keys (0: off); batches of equal lengths are never split here."""
+    divisor = int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT)))
+    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // target
+    if divisor <= 0 or max_kv <= RAGGED_SKEW * per_program:
+        return None
+    chunk = 1 << max(per_program // divisor, 1).bit_length() - 1  # the power of two at or below
+    max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", str(MAX_SLOTS)))
+    chunk = max(chunk, int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))),
+                -(-max_kv // max_slots) if max_slots > 0 else 0)
+    chunk = -(-chunk // block_n) * block_n
+    return chunk if chunk < max_kv else None
+
+
 def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int], costliest_first: bool = False):
     """Work items int32 [ITEM_INTS n]: (request, kv_lo, kv_hi, slot, the request's first page (or token), its KV
     length, its first slot, its slot count), and each request's first slot and slot count (for merge_kernel):
     numpy arrays, the plan's own until _install stages them. kv_start: each request's first page (or token).
-    costliest_first (measuring only, SERVEATTN_DECODE_ORDER=cost): items with the most keys first (ties in
+    costliest_first (the default; SERVEATTN_DECODE_ORDER=request turns it off): items with the most keys first (ties in
     request order), so that a ragged batch's long requests do not start in the grid's last wave (each item
     carries its own slot: the order moves no bit)."""
     batch = kv.size
@@ -592,7 +616,9 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
     tiles = decode_tiles(head_dim, device, kv_dtype, decode_kernel.tile_rows(q_len, num_qo_heads // num_kv_heads),
                          batch_cap if batch_cap is not None else kv_lens.size)
     chunk = choose_chunk(kv_lens, num_kv_heads, _num_sms(device), tiles.block_n, fixed_split_size, disable_split_kv)
-    order = knobs.get("SERVEATTN_DECODE_ORDER", "") == "cost"  # measuring only until GPU-measured (session 35)
+    # longest items first (SERVEATTN_DECODE_ORDER=request: the batch's order): a ragged batch's long requests then
+    # start in the first wave (H100, session 36: 0.86-0.94x at 128-256 uniform requests of 1-8192 keys)
+    order = knobs.get("SERVEATTN_DECODE_ORDER", "cost") == "cost"
     work, n, first_slot, num_slots, total_slots = build_decode_work(kv_lens, kv_start, chunk, order)
     if chunk is not None and fixed_split_size is None and workspace is not None and \
             total_slots * q_len > _slot_capacity(workspace, num_qo_heads, head_dim):

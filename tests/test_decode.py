@@ -120,6 +120,28 @@ def test_split_rule_and_its_measuring_knobs(monkeypatch):
     assert (chunk([16384]), chunk([32768])) == (256, 512)
 
 
+def test_ragged_split_of_a_full_gpu(monkeypatch):
+    """A batch that fills the GPU (batch x KV heads >= 2 programs an SM) is split only where its longest request
+    holds more keys than a program would with the batch spread evenly (per_program): into power-of-two chunks of
+    per_program / SERVEATTN_DECODE_RAGGED_SPLIT (2 by default; 0: off), never below MIN_CHUNK nor into more than
+    MAX_SLOTS chunks; equal lengths are never split."""
+    from serveattn.decode import choose_chunk
+
+    def chunk(kv_lens, heads=8):
+        return choose_chunk(np.array(kv_lens), heads, 132, 64, None, False)
+    outlier = [1024] * 127 + [32768]  # per_program: (127 x 1024 + 32768) x 8 // 264 = 4933 keys
+    monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "0")
+    assert chunk(outlier) is None
+    monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "1")
+    assert (chunk(outlier), chunk([1024] * 127 + [4096]), chunk([1024] * 127 + [3072]), chunk([8192] * 33)) == \
+        (4096, 2048, None, None)  # per_program 4065 and 4033
+    assert chunk([1] * 200 + [32768]) == 1024  # per_program 1017: 512, but at most 32 chunks of 32768
+    monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "2")
+    assert (chunk(outlier), chunk([16] * 300 + [600])) == (2048, 256)  # per_program 163: 64, below MIN_CHUNK
+    monkeypatch.delenv("SERVEATTN_DECODE_RAGGED_SPLIT")
+    assert chunk(outlier) == 2048  # the default
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_work_items_carry_their_requests_kv(chunk):
     """Each work item holds what the kernel would otherwise read after it (a dependent trip to memory): its
@@ -274,7 +296,7 @@ def test_one_wrapper_moves_between_merge_kinds(device):
 
 @pytest.mark.parametrize("split", [None, 64])
 def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
-    """SERVEATTN_DECODE_ORDER=cost (measuring only): the plan lists its items with the most keys first (a split
+    """SERVEATTN_DECODE_ORDER=cost (the default): the plan lists its items with the most keys first (a split
     request's chunks among them); each item carries its own slot, so the result is the request-order plan's, bit
     for bit, every row written, the reference's."""
     gen = torch.Generator().manual_seed(71)
@@ -288,16 +310,41 @@ def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
                fixed_split_size=split, disable_split_kv=split is None)
         items = w._plan.work.cpu().numpy().reshape(-1, decode.ITEM_INTS)
         keys = items[:, 2] - items[:, 1]
-        assert (np.all(np.diff(keys) <= 0) if order else list(items[:, 0]) == sorted(items[:, 0]))
+        assert (np.all(np.diff(keys) <= 0) if order == "cost" else list(items[:, 0]) == sorted(items[:, 0]))
         return w
-    results = run_under_switch(monkeypatch, "SERVEATTN_DECODE_ORDER", ("", "cost"), planned, b.q, b.cache, device)
-    assert torch.equal(results[""][0], results["cost"][0]) and torch.equal(results[""][1], results["cost"][1])
+    results = run_under_switch(monkeypatch, "SERVEATTN_DECODE_ORDER", ("request", "cost"), planned, b.q, b.cache,
+                               device)
+    assert torch.equal(results["request"][0], results["cost"][0]) and \
+        torch.equal(results["request"][1], results["cost"][1])
     out, lse, _ = results["cost"]
     assert not out.isnan().any()
     ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                              causal=True)
     assert rel_err(out, ref_out) < 1e-2
     check_lse(lse, ref_lse)
+
+
+def test_ragged_split_against_the_reference(device):
+    """A ragged batch that fills the GPU (on the interpreter's 2 SMs: 12 programs) is split where a request
+    outlasts the rest (_ragged_chunk); its rows, long and short, match the reference, every row written, and a
+    second run gives the same bits."""
+    gen = torch.Generator().manual_seed(36)
+    kv_lens = [40, 1500, 0, 77, 1, 260]  # on 2 SMs: per_program 939 keys, the 1500-key request in 256-key chunks
+    b = make_paged_batch(gen, qo_lens=[1] * 6, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                      backend="triton")
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16)
+    assert w._plan.chunk is not None
+    out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    assert not out.isnan().any()
+    ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                             causal=True)
+    assert rel_err(out, ref_out) < 1e-2
+    check_lse(lse, ref_lse)
+    again = w.run(b.q, b.cache, return_lse=True)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
 def test_one_plan_serves_every_kind_of_call(device):
