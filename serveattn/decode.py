@@ -197,10 +197,14 @@ def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int]
     batch = kv.size
     if chunk is None:  # the common case: one item per request, no slots
         work = np.zeros((batch, ITEM_INTS), dtype=np.int32)
-        work[:, 0] = np.argsort(-kv, kind="stable") if costliest_first else np.arange(batch)
-        work[:, 2] = work[:, 5] = kv[work[:, 0]]
+        if costliest_first and np.greater(kv[1:], kv[:-1]).any():  # equal lengths keep request order, unsorted
+            work[:, 0] = order = np.argsort(-kv, kind="stable")
+            kv, kv_start = kv[order], kv_start[order]
+        else:
+            work[:, 0] = np.arange(batch)
+        work[:, 2] = work[:, 5] = kv
         work[:, 3] = -1
-        work[:, 4] = kv_start[work[:, 0]]
+        work[:, 4] = kv_start
         return work.reshape(-1), batch, np.zeros(batch, dtype=np.int32), np.zeros(batch, dtype=np.int32), 0
     n_chunks = np.maximum((kv + chunk - 1) // chunk, 1)
     req = np.repeat(np.arange(batch), n_chunks)
