@@ -5,6 +5,7 @@
 #   scripts/gpu_run.sh tests                 # only the GPU tests
 #   scripts/gpu_run.sh bench-prefill         # only the prefill benchmark
 #   scripts/gpu_run.sh bench-decode          # only the decode benchmark (not in the default steps)
+#   scripts/gpu_run.sh fi-setup bench-decode-ragged  # decode of ragged batches (bench decode --ragged): ours vs FlashInfer
 #   scripts/gpu_run.sh bench-fp8             # only the fp8 benchmark (not in the default steps)
 #   scripts/gpu_run.sh bench-crossover       # backend='auto' crossovers; writes $OUT/routing.md (copy to docs/)
 #   scripts/gpu_run.sh bench-crossover-fp8   # the decode crossover for e4m3 / e5m2 caches; writes $OUT/routing-fp8.md
@@ -517,6 +518,7 @@ bench() {  # $1: extra arguments (--quick or empty), $2: file stem, $3: family (
 step_bench_prefill() { bench "" bench-prefill; }
 step_bench_prefill_quick() { bench "--quick" bench-prefill-quick; }
 step_bench_decode() { bench "" bench-decode decode; }
+step_bench_decode_ragged() { bench "--ragged" bench-decode-ragged decode; }
 step_bench_decode_quick() { bench "--quick" bench-decode-quick decode; }
 step_bench_fp8() { bench "" bench-fp8 fp8; }
 step_bench_fp8_quick() { bench "--quick" bench-fp8-quick fp8; }

@@ -331,6 +331,10 @@ def identity(out, meta):
     return out
 
 
+class Declined(Exception):
+    """A peer that cannot take the case (run_runners reports it as 'declined', with the sentence)."""
+
+
 @dataclasses.dataclass
 class Prepared:
     """A runner ready to time: one call per input set, how to compare its output, what to say about it."""
@@ -592,6 +596,8 @@ def run_runners(case: dict, runners: Sequence[str], prepare: Callable[[str], Pre
             torch.cuda.synchronize()
             if r["status"] in ("ok", "unchecked"):
                 ready[key] = prep
+        except Declined as exc:
+            r["status"], r["reason"] = "declined", str(exc)
         except Exception as exc:  # noqa: BLE001 - a failing runner is a line in the table, never a crash
             r["status"] = "failed"
             r["reason"] = one_line(exc)

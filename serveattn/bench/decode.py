@@ -2,7 +2,12 @@
 
 Shapes (H200 serving case): GQA 32 query heads / 8 KV heads, head dim 128, bf16, page size 16 with a
 shuffled page table (``torch.randperm``), one query token per request. Workloads (batch x KV length): 1x8192,
-8x4096, 32x2048, 64x1024, 64x8192, 128x4096 (``--cases`` also takes any other ``<batch>x<kv_len>``).
+8x4096, 32x2048, 64x1024, 64x8192, 128x4096 (``--cases`` also takes any other ``<batch>x<kv_len>``). Ragged
+batches (``--cases 128xlognormal,...``, or ``--ragged``): ``<batch>x<lengths>`` with the KV lengths drawn from
+``lognormal`` (median ~1800 keys, capped at 32768), ``uniform`` (1..8192) or ``outlier`` (1024 keys and one
+request of 32768), one seeded draw per batch size; there only FlashInfer is a peer (SDPA, cuDNN and
+FlexAttention take a [B, H, S, D] K/V of one length: they decline), and the reference is SDPA per request on K/V
+gathered from the page table.
 
 Ours: ``BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=False)`` and ``=True``, each
 timed eagerly (``run`` called from Python) and as the replay of a CUDA graph (wrapper built with
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 from typing import Callable, List, Optional
 
@@ -51,6 +57,10 @@ WORKLOADS = {
     "128x4096": (128, 4096),
 }
 QUICK_WORKLOADS = ("1x8192", "32x2048")
+#: ``--ragged``'s cases: serving batches whose lengths differ (the split and order of the decode plan matter)
+RAGGED_WORKLOADS = ("64xlognormal", "128xlognormal", "256xlognormal", "128xuniform", "256xuniform", "64xoutlier",
+                    "256xoutlier")
+RAGGED_DISTS = ("lognormal", "uniform", "outlier")
 
 #: The issue's absolute targets, TB/s of K/V read (our best variant).
 TARGET_TBPS = {"1x8192": 2.5, "64x8192": 4.3, "128x4096": 4.3}
@@ -79,6 +89,8 @@ def add_arguments(parser) -> None:
                         help=f"comma-separated workloads, each <batch>x<kv_len>; decode's are {','.join(WORKLOADS)} "
                              f"(default: all; with --quick: {','.join(QUICK_WORKLOADS)}; under 'all' the list goes "
                              f"to every family: see each family's --help)")
+    parser.add_argument("--ragged", action="store_true",
+                        help=f"decode: the ragged batches {','.join(RAGGED_WORKLOADS)} instead of the default cases")
     parser.add_argument("--peers", default=None,
                         help=f"comma-separated peers, or 'none'; decode's are {','.join(PEER_KEYS)} (default: all; "
                              f"under 'all' the list goes to every family: flash,cudnn,flex are common to all)")
@@ -96,13 +108,14 @@ class Meta:
     """Page table of one workload (int32 index tensors on the GPU); shared by every input set."""
 
     batch: int
-    kv_len: int
+    kv_len: int            # the longest request's
     indptr: object         # [batch + 1]
     indices: object        # [num_pages], a shuffled permutation of the pages
     last_page_len: object  # [batch]
     num_pages: int
     page_of_token: object  # [batch * kv_len] int64: the page that holds each token (request-major)
     slot_of_token: object  # [batch * kv_len] int64: its slot in the page
+    kv_lens: Optional[list] = None  # a ragged batch's lengths (no contiguous K/V, no token maps); None: equal
 
 
 @dataclasses.dataclass
@@ -110,26 +123,56 @@ class InputSet:
     q: object      # [B, Hq, D]
     cache: object  # [pages, 2, PAGE_SIZE, Hkv, D], K/V scattered through the shuffled page table
     qb: object     # [B, Hq, 1, D] (a view of q)
-    kb: object     # [B, Hkv, S, D] contiguous, the same values as the cache
+    kb: object     # [B, Hkv, S, D] contiguous, the same values as the cache (None for a ragged batch)
     vb: object
 
 
 def parse_case(name: str):
-    """'64x8192' -> (64, 8192); a sentence otherwise."""
+    """'64x8192' -> (64, 8192); '128xlognormal' -> (128, 'lognormal'); a sentence otherwise."""
     if name in WORKLOADS:
         return WORKLOADS[name]
-    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", name)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise SystemExit(f"decode: case {name!r} is not <batch>x<kv_len> (e.g. 64x8192); decode's cases are "
-                         f"{list(WORKLOADS)}.")
-    return int(m.group(1)), int(m.group(2))
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+|%s)\s*" % "|".join(RAGGED_DISTS), name)
+    if not m or int(m.group(1)) < 1 or (m.group(2).isdigit() and int(m.group(2)) < 1):
+        raise SystemExit(f"decode: case {name!r} is not <batch>x<kv_len> (e.g. 64x8192) or <batch>x<lengths> "
+                         f"with lengths one of {list(RAGGED_DISTS)}; decode's cases are {list(WORKLOADS)}.")
+    return int(m.group(1)), int(m.group(2)) if m.group(2).isdigit() else m.group(2)
 
 
-def build_meta(batch: int, kv_len: int, seed: int = 0, device: Optional[str] = None) -> Meta:
-    """A shuffled page-16 table of `batch` requests of `kv_len` tokens (shared with bench verify)."""
+def ragged_lengths(batch: int, dist: str) -> list:
+    """A ragged batch's KV lengths: one draw seeded by the batch size (the same batch every run)."""
+    import numpy as np
+
+    rng = np.random.default_rng(batch)
+    if dist == "uniform":
+        return [int(x) for x in rng.integers(1, 8193, batch)]
+    if dist == "outlier":
+        return [int(x) for x in np.array([1024] * (batch - 1) + [32768])[rng.permutation(batch)]]
+    return [int(x) for x in np.minimum(np.exp(rng.normal(7.5, 1.0, batch)).astype(np.int64) + 1, 32768)]
+
+
+def case_lengths(name: str) -> list:
+    """Every request's KV length for a case name."""
+    batch, kv = parse_case(name)
+    return [kv] * batch if isinstance(kv, int) else ragged_lengths(batch, kv)
+
+
+def build_meta(batch: int, kv_len: int, seed: int = 0, device: Optional[str] = None,
+               kv_lens: Optional[list] = None) -> Meta:
+    """A shuffled page-16 table of `batch` requests of `kv_len` tokens (shared with bench verify), or of a ragged
+    batch's `kv_lens` (then without the token maps that scatter a contiguous K/V)."""
     import torch
 
     dev = DEVICE if device is None else device
+    if kv_lens is not None:
+        pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in kv_lens]
+        num_pages = sum(pages)
+        g = torch.Generator().manual_seed(seed)
+        i32 = dict(dtype=torch.int32, device=dev)
+        return Meta(batch=len(kv_lens), kv_len=max(kv_lens),
+                    indptr=torch.tensor([0] + list(itertools.accumulate(pages)), **i32),
+                    indices=torch.randperm(num_pages, generator=g).to(**i32),
+                    last_page_len=torch.tensor([n - PAGE_SIZE * (p - 1) for n, p in zip(kv_lens, pages)], **i32),
+                    num_pages=num_pages, page_of_token=None, slot_of_token=None, kv_lens=list(kv_lens))
     per = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
     num_pages = batch * per
     g = torch.Generator().manual_seed(seed)
@@ -156,6 +199,9 @@ def build_inputs(meta: Meta, seed: int) -> InputSet:
     b, s = meta.batch, meta.kv_len
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randn(b, HQ, HEAD_DIM, dtype=bf, device=dev, generator=g)
+    if meta.kv_lens is not None:  # ragged: the random cache is the K/V; no contiguous copy
+        cache = torch.randn(meta.num_pages, 2, PAGE_SIZE, HKV, HEAD_DIM, dtype=bf, device=dev, generator=g)
+        return InputSet(q=q, cache=cache, qb=q.view(b, HQ, 1, HEAD_DIM), kb=None, vb=None)
     kb = torch.randn(b, HKV, s, HEAD_DIM, dtype=bf, device=dev, generator=g)
     vb = torch.randn(b, HKV, s, HEAD_DIM, dtype=bf, device=dev, generator=g)
     cache = torch.randn(meta.num_pages, 2, PAGE_SIZE, HKV, HEAD_DIM, dtype=bf, device=dev, generator=g)
@@ -175,8 +221,15 @@ def kv_bytes(batch: int, kv_len: int) -> float:
 
 
 def work(batch: int, kv_len: int) -> tuple:
-    """(flops, bytes) of one run, by the formulas printed with the results."""
+    """(flops, bytes) of one run, by the formulas printed with the results (a ragged batch: batch 1 and its
+    total keys as kv_len)."""
     return 4.0 * batch * kv_len * HQ * HEAD_DIM, kv_bytes(batch, kv_len)
+
+
+def _contiguous_only(meta: Meta, who: str) -> None:
+    if meta.kv_lens is not None:
+        raise common.Declined(f"{who} takes K/V as [B, H, S, D] of one length; this batch's lengths differ "
+                              f"(padding would read the longest request's bytes for every request).")
 
 
 # ---------------------------------------------------------------- runners
@@ -272,6 +325,7 @@ def prepare_flashinfer(tensor_cores: bool, graph: bool, meta: Meta, sets: List[I
 def prepare_sdpa(backend_name: str, meta: Meta, sets: List[InputSet]) -> common.Prepared:
     """SDPA on contiguous [B, H, S, D] K/V, q [B, Hq, 1, D], no causal mask (the one decode query sees every key);
     enable_gqa=True, or K/V repeated if refused."""
+    _contiguous_only(meta, "torch SDPA")
     fns, refused = common.sdpa_fns(backend_name, sets, HQ // HKV, causal=False)
     if refused is None:
         note = "GQA via enable_gqa=True, contiguous [B, Hkv, S, D] K/V"
@@ -285,6 +339,7 @@ def prepare_sdpa_graph(backend_name: str, meta: Meta, sets: List[InputSet]) -> c
     """prepare_sdpa's calls captured in CUDA graphs (one per input set; timed: graph.replay()): at small batch an
     eager SDPA call's host launch outlasts the L2 flush, so its eager time is mostly launch; the graph shows the
     peer's GPU time, as our cc-graph does."""
+    _contiguous_only(meta, "torch SDPA")
     eager = prepare_sdpa(backend_name, meta, sets)
     graphs, results = common.capture_cuda_graphs(eager.fns)
     return common.Prepared(fns=[g.replay for g in graphs], poisoned=common.poisoned_replay(results[0], graphs[0]),
@@ -295,6 +350,7 @@ def prepare_sdpa_graph(backend_name: str, meta: Meta, sets: List[InputSet]) -> c
 def prepare_flex(meta: Meta, sets: List[InputSet]) -> common.Prepared:
     import torch
 
+    _contiguous_only(meta, "FlexAttention")
     # Six decode shapes plus prefill's in one process exceed dynamo's default recompile limit (8), past which
     # flex_attention would silently run uncompiled; raise it for this process.
     flex = common.compiled_flex(NAME, recompile_limit=64)
@@ -320,14 +376,32 @@ PREPARE = {
 
 
 def reference(meta: Meta, s0: InputSet):
-    """SDPA output on set 0 as [B, Hq, D]: the flash backend, else memory-efficient, else cuDNN."""
+    """SDPA output on set 0 as [B, Hq, D]: the flash backend, else memory-efficient, else cuDNN; for a ragged
+    batch, SDPA (math backend, float32) per request on K/V gathered from the page table."""
+    if meta.kv_lens is not None:
+        return _ragged_reference(meta, s0), "torch SDPA per request, float32, K/V gathered from the page table"
     return common.sdpa_reference(prepare_sdpa, meta, s0)
+
+
+def _ragged_reference(meta: Meta, s0: InputSet):
+    import torch
+    import torch.nn.functional as F
+
+    indptr, indices = meta.indptr.tolist(), meta.indices.long()
+    out = torch.empty(meta.batch, HQ, HEAD_DIM, dtype=torch.float32, device=s0.q.device)
+    for i, n in enumerate(meta.kv_lens):
+        pages = s0.cache[indices[indptr[i]:indptr[i + 1]]]  # [p, 2, PAGE_SIZE, Hkv, D]
+        k, v = (pages[:, j].reshape(-1, HKV, HEAD_DIM)[:n].transpose(0, 1).float() for j in (0, 1))
+        q = s0.q[i].float().view(HKV, HQ // HKV, HEAD_DIM)  # a KV head's query heads on the row axis
+        out[i] = F.scaled_dot_product_attention(q, k, v).reshape(HQ, HEAD_DIM)
+    return out.to(s0.q.dtype)
 
 
 # ---------------------------------------------------------------- the run
 
 def _selected(args):
-    names = common.case_names(args, WORKLOADS, QUICK_WORKLOADS)
+    names = list(RAGGED_WORKLOADS) if getattr(args, "ragged", False) and not getattr(args, "cases", None) else \
+        common.case_names(args, WORKLOADS, QUICK_WORKLOADS)
     for n in names:
         parse_case(n)
     peers = common.select_peers(args, NAME, PEER_KEYS)
@@ -367,16 +441,19 @@ def run(args, ceilings: "common.Ceilings", checkpoint: Callable[[dict], None] = 
 
 
 def _run_case(name, wi, bar, *, runners, titles, ceilings, timing, l2, l2_multiple) -> dict:
-    batch, kv_len = parse_case(name)
-    flops, nbytes = work(batch, kv_len)
+    kv_lens = case_lengths(name)
+    batch, kv_len, ragged = len(kv_lens), max(kv_lens), len(set(kv_lens)) > 1
+    flops, nbytes = work(1, sum(kv_lens))
     n_sets = common.rotation_sets(nbytes, timing.sets, l2, l2_multiple, MAX_SETS)
-    meta = build_meta(batch, kv_len, seed=wi)
+    meta = build_meta(batch, kv_len, seed=wi, kv_lens=kv_lens if ragged else None)
     sets = [build_inputs(meta, seed=100 * wi + i) for i in range(n_sets)]
     case = {"name": name, "batch": batch, "kv_len": kv_len, "num_pages": meta.num_pages,
+            "kv_tokens": sum(kv_lens), "ragged": ragged,
             **common.floors(flops, nbytes, ceilings, "bf16"),
             "input_sets": n_sets, "rotation_bytes": n_sets * nbytes, "runners": {}, "ours_ok": True}
     ref = common.case_reference(case, reference, meta, sets[0])
-    bar.log(f"[{name}] batch {batch} x kv {kv_len}, {meta.num_pages} pages, K/V {nbytes / 1e6:.1f} MB a set, "
+    bar.log(f"[{name}] batch {batch} x kv {f'{sum(kv_lens)} in all, max {kv_len}' if ragged else kv_len}, "
+            f"{meta.num_pages} pages, K/V {nbytes / 1e6:.1f} MB a set, "
             f"{n_sets} input set(s) rotated ({n_sets * nbytes / 1e6:.0f} MB, L2 {l2 / 2 ** 20:.0f} MiB); "
             f"reference: {case['reference']}")
 
@@ -479,7 +556,8 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
               "ours: cc = use_tensor_cores=False, tc = use_tensor_cores=True; -graph = CUDA graph replay.", "",
               common.markdown_table(headers, rows), ""]
 
-    frows = [[c["name"], f"{c['batch']} x {c['kv_len']}", f"{c['bytes'] / 1e6:.1f}", f"{c['bytes_floor_ms']:.4f}",
+    frows = [[c["name"], f"{c['batch']}, {c['kv_tokens']} keys (max {c['kv_len']})" if c.get("ragged") else
+              f"{c['batch']} x {c['kv_len']}", f"{c['bytes'] / 1e6:.1f}", f"{c['bytes_floor_ms']:.4f}",
               f"{c['flops_floor_ms']:.4f}", c["input_sets"], f"{c['rotation_bytes'] / 1e6:.0f}"] for c in cases]
     lines += ["### floors and input sets", "",
               common.markdown_table(["case", "batch x KV", "K/V MB", f"floor ms (bytes / {bw:.2f} TB/s)",
