@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import os
 import random
@@ -253,6 +254,23 @@ def draw_heads(rng):
 def draw_head_dim(rng):
     r = rng.random()
     return 64 if r < 0.9 else 128 if r < 0.97 else 256
+
+
+@contextlib.contextmanager
+def env_switch(name: str, value):
+    """The environment variable `name` set to `value` inside the block (None: left as it is), then restored."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def draw_kv_len(rng, page_size, hi):
@@ -956,6 +974,16 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
 
     long = rng.random() < 0.15  # many split chunks
     kv_hi = scaled(400 if long else 80)
+    # SERVEATTN_DECODE_MIN_CHUNK lowered at plan time, so that plan()'s own splits (a full GPU's ragged split
+    # included) happen at these lengths; drawn from a generator of its own: every earlier seed draws as before
+    side = random.Random(f"decode-min-chunk-{case.seed}")
+    min_chunk = side.choice([16, 64]) if split == "default" and api == "batch" and side.random() < 0.5 else None
+    # and, eager plans only, SERVEATTN_DECODE_PROGRAMS_PER_SM at half the batch's programs: on the interpreter's 2
+    # SMs the batch then fills "the GPU" and a request longer than the mean is cut (_ragged_chunk)
+    per_sm = max(1, batch * hkv // 2) if min_chunk is not None and side.random() < 0.6 else None
+    if per_sm is not None:  # lengths past the kernel's key block, where a cut can fall
+        kv_hi, budget = scaled(400), max(budget, scaled(900))
+    graph_plans = []  # set when the case takes the CUDA-graph path (the grid's size is fixed at capture)
     budget = budget * 3 if long else budget
 
     def lengths(n):
@@ -974,6 +1002,8 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
                        v_scale=None if v_scale is None else scale_value(v_scale),
                        scale_tensor=isinstance(k_scale, torch.Tensor), lse=return_lse, bufs=caller_bufs,
                        replan=replan, tree=tree, hot=hot, **opts)
+    if min_chunk is not None:
+        case.config.update(min_chunk=min_chunk, programs_per_sm=per_sm)
     rope_refusal = "RoPE on the bandwidth decode kernel (README: 'no')" if rope and not use_tc else None
 
     def make(kv_lens):
@@ -1007,9 +1037,11 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             kw["q_len_per_req"] = q_len
         if b.trees is not None:
             kw["tree_parents"] = b.trees
-        ok = guarded(case, lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim,
-                                          page_size, **kw) or True,
-                     rope_refusal if backend == "triton" else None)
+        with env_switch("SERVEATTN_DECODE_MIN_CHUNK", min_chunk), \
+                env_switch("SERVEATTN_DECODE_PROGRAMS_PER_SM", None if graph_plans else per_sm):
+            ok = guarded(case, lambda: w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim,
+                                              page_size, **kw) or True,
+                         rope_refusal if backend == "triton" else None)
         if ok and backend == "auto":
             case.config["route"] = w.backend  # where "auto" sent the plan (on a GPU: triton, cudnn, torch)
         return w if ok else None
@@ -1021,6 +1053,7 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
             return_lse=return_lse, backend=backend, **opts))
 
     if api == "batch" and rng.random() < 0.15:  # use_cuda_graph=True: fixed buffers, a persistent grid
+        graph_plans.append(True)
         first, second = (make(kv), make(lengths(rng.randint(1, 5))))
         first, second = sorted([first, second], key=lambda t: -t[0].q.shape[0])  # the captured q: the larger
         case.config["graph"] = [t[0].kv_indptr.numel() - 1 for t in (first, second)]
