@@ -18,6 +18,7 @@
 #   scripts/gpu_run.sh probe-ws-balance      # prefill's balanced persistent grid: its GPU tests, then causal crossover points off / on (~5 min)
 #   scripts/gpu_run.sh probe-prefill-order   # prefill_kernel's tiles costliest first: its GPU tests, then head-dim-256 causal points off / on (~4 min)
 #   scripts/gpu_run.sh probe-decode-ragged   # ragged decode batches: request order unsplit vs the defaults (longest first, ragged split), eager and graph (~3 min)
+#   scripts/gpu_run.sh probe-decode-ragged-tc  # the tensor-core decode route on ragged batches, SERVEATTN_PREFILL_RAGGED_SPLIT off / 2 (~3 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
 #   scripts/gpu_run.sh probe-fusion          # bf16/fp8 prefill with SERVEATTN_SOFTMAX_FMA / SERVEATTN_FP_FUSION
 #   scripts/gpu_run.sh probe-gluon           # scripts/gluon_attention_probe.py --run: the Gluon async-wgmma probe
@@ -340,6 +341,17 @@ step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first (SE
   prefill_switch_probe probe-prefill-order SERVEATTN_PREFILL_ORDER "" cost \
     "tests/test_prefill_order.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
     "--head-dims ${ORDER_HEAD_DIMS:-256} --groups ${ORDER_GROUPS:-1,4} --prefill-batches ${ORDER_BATCHES:-8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
+}
+
+step_probe_decode_ragged_tc() {  # the tensor-core decode route on ragged batches: SERVEATTN_PREFILL_RAGGED_SPLIT off / 2
+  local rc
+  SERVEATTN_PREFILL_RAGGED_SPLIT=2 timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill_split.py \
+    tests/test_decode_gpu.py tests/test_verify_gpu.py 2>&1 | tail -3 | tee "$OUT/probe-decode-ragged-tc-tests.txt"
+  rc=${PIPESTATUS[0]}
+  timeout 300 python3 scripts/probe_decode_ragged.py --tensor-cores --rounds 2 \
+    --variants "off=;split=SERVEATTN_PREFILL_RAGGED_SPLIT:2" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe-decode-ragged-tc.md" \
+    | grep -E "^\|" || rc=1
+  return "$rc"
 }
 
 step_probe_decode_ragged() {  # ragged decode batches: request order unsplit against the defaults (longest first, ragged split)

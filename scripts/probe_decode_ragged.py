@@ -2,6 +2,7 @@
 from a CUDA graph, alternating in one process on the same inputs; the first variant is the yardstick.
 
     PYTHONPATH=$PWD python3 scripts/probe_decode_ragged.py [--batches 64,128,256] [--groups 4,8] [--rounds 3]
+        [--tensor-cores]
         [--variants "off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default="]
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
@@ -42,7 +43,7 @@ def inputs(kv_lens: np.ndarray, group: int, gen):
     return indptr, indices, last, cache, q
 
 
-def runner(settings: dict, graph: bool, args_in, group: int):
+def runner(settings: dict, graph: bool, args_in, group: int, tensor_cores: bool = False):
     """(call, out) for the wrapper planned under the settings (environment variables), eager or captured."""
     indptr, indices, last, cache, q = args_in
     os.environ.update(settings)
@@ -52,7 +53,7 @@ def runner(settings: dict, graph: bool, args_in, group: int):
         kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty_like(indptr),
                   paged_kv_indices_buffer=torch.empty_like(indices),
                   paged_kv_last_page_len_buffer=torch.empty_like(last))
-    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton", **kw)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton", use_tensor_cores=tensor_cores, **kw)
     w.plan(indptr, indices, last, HKV * group, HKV, D, PS, q_data_type=torch.bfloat16)
     for name in settings:
         os.environ.pop(name)
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--groups", default="4,8")
     ap.add_argument("--dists", default="lognormal,uniform,outlier")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tensor-cores", action="store_true",
+                    help="the tensor-core route (the prefill kernel; e.g. with SERVEATTN_PREFILL_RAGGED_SPLIT:2)")
     ap.add_argument("--variants", default="off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default=")
     args = ap.parse_args()
     common.require_cuda()
@@ -96,7 +99,7 @@ def main() -> None:
             for group in map(int, args.groups.split(",")):
                 data = inputs(kv_lens, group, torch.Generator().manual_seed(batch * 10 + group))
                 for graph in (False, True):
-                    calls = {n: runner(variants[n], graph, data, group) for n in names}
+                    calls = {n: runner(variants[n], graph, data, group, args.tensor_cores) for n in names}
                     for call, _ in calls.values():
                         call()
                     torch.cuda.synchronize()

@@ -199,6 +199,9 @@ def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, c
 # unsplit; session 31, H100, page size 1: 64 programs -> 256 1.54x faster, 128 -> 256 0.72x as fast)
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
+# the ragged split of a decode-shaped plan that fills the GPU (_ragged_chunk; measuring only)
+RAGGED_PROGRAMS_PER_SM = 2
+RAGGED_MAX_CHUNKS = 32
 
 
 def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: int, num_sms: int, num_items: int,
@@ -216,11 +219,17 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     programs = num_items * num_kv_heads
     target = SPLIT_PROGRAMS_PER_SM * num_sms
     forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
-    # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read
-    if num_items == 0 or (2 * programs > target and not forced) or knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
+    # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read, unless
+    # it is decode-shaped (a tile a request: the tensor-core decode route) and SERVEATTN_PREFILL_RAGGED_SPLIT is on
+    ragged = int(knobs.get("SERVEATTN_PREFILL_RAGGED_SPLIT", "0"))
+    full = 2 * programs > target and not forced
+    if num_items == 0 or (full and (ragged <= 0 or num_items > len(kv_lens))) or \
+            knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     if not forced and warp_specialized is not None and warp_specialized():
         return None
+    if full:
+        return _ragged_chunk(kv_lens, num_kv_heads, num_sms, tiles.block_n, ragged)
     max_kv = int(np.maximum.reduce(kv_lens))
     if forced:
         chunk = int(forced)
@@ -228,6 +237,22 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
         splits = 1 << (-(-target // programs) - 1).bit_length()  # a power of two: even chunks of even lengths
         chunk = max(SPLIT_MIN_CHUNK, -(-max_kv // splits))
     chunk = -(-chunk // tiles.block_n) * tiles.block_n
+    return chunk if chunk < max_kv else None
+
+
+def _ragged_chunk(kv_lens, num_kv_heads: int, num_sms: int, block_n: int, divisor: int) -> Optional[int]:
+    """decode._ragged_chunk's rule for a decode-shaped plan on this kernel (measuring only: SERVEATTN_PREFILL_
+    RAGGED_SPLIT=divisor, off by default until GPU-measured): with RAGGED_PROGRAMS_PER_SM programs an SM in flight,
+    a request longer than its even share of the batch's keys (per_program) is cut into power-of-two chunks of
+    per_program / divisor keys (at least SPLIT_MIN_CHUNK, at most RAGGED_MAX_CHUNKS chunks)."""
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    max_kv = int(np.maximum.reduce(kv)) if kv.size else 0
+    per_program = int(np.add.reduce(kv)) * num_kv_heads // (RAGGED_PROGRAMS_PER_SM * num_sms)
+    if max_kv <= per_program:
+        return None
+    chunk = max(1 << max(per_program // divisor, 1).bit_length() - 1, SPLIT_MIN_CHUNK,
+                -(-max_kv // RAGGED_MAX_CHUNKS))
+    chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
 
 

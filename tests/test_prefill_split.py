@@ -254,6 +254,60 @@ def test_split_rule_and_work_list():
     assert sorted(used) == list(range(rows))
 
 
+def test_ragged_split_rule(monkeypatch):
+    """SERVEATTN_PREFILL_RAGGED_SPLIT (measuring, off by default): a decode-shaped plan (a tile a request) that fills
+    the GPU cuts a request longer than its even share of the batch's keys (over 2 programs an SM) into
+    power-of-two chunks of that share / the divisor; plans of more tiles than requests, equal lengths and plans
+    the warp-specialized kernel serves are left whole."""
+    tiles = prefill.TileConfig(16, 64, 4, 2)
+    kv = np.array([1024] * 127 + [32768])  # per_program: (127 x 1024 + 32768) x 8 // 264 = 4933
+    qo = np.ones(128, dtype=np.int64)
+    monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_SPLIT", raising=False)
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) is None  # the default: off
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "2")
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 2048
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 129) is None  # more tiles than requests: prefill
+    assert prefill.split_chunk(qo, np.full(128, 4096), 4, tiles, 8, 132, 128) is None  # equal lengths
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, warp_specialized=lambda: True) is None
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, disable_split_kv=True) is None
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "1")
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 4096
+
+
+@pytest.mark.parametrize("mode", ["decode", "tree"])
+def test_ragged_split_on_the_decode_tensor_core_route(mode, device, monkeypatch):
+    """The decode wrapper's tensor-core route under SERVEATTN_PREFILL_RAGGED_SPLIT=2 on a ragged batch that fills
+    the (interpreter's 2-SM) GPU: the long request is split, the result matches the unsplit plan's and the
+    reference."""
+    gen = torch.Generator().manual_seed(zlib.crc32(b"ragged-" + mode.encode()))
+    k = 3 if mode == "tree" else 1
+    kv_lens = [900, 20, 3, 41, 7, 60]  # 6 requests x 2 KV heads on 2 SMs: full; per_program 344
+    n = len(kv_lens)
+    b = make_paged_batch(gen, qo_lens=[k] * n, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    kw = dict(tree_parents=[[-1, 0, 0]] * n) if mode == "tree" else {}
+    results = {}
+    for ragged in ("0", "2"):
+        monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", ragged)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
+        if device == "cpu":
+            assert (w._prefill._plan.split is not None) == (ragged == "2")
+        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        assert not out.isnan().any()
+        results[ragged] = out, lse
+    (out0, lse0), (out, lse) = results["0"], results["2"]
+    assert rel_err(out, out0) < tolerance(torch.bfloat16)
+    check_lse(lse, lse0)
+    if mode == "decode":
+        ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                                 b.last_page_len, causal=False)
+        assert rel_err(out, ref_out) < tolerance(torch.bfloat16)
+        check_lse(lse, ref_lse)
+
+
 def test_small_workspace_does_not_split(device, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "plain")
