@@ -471,9 +471,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
             # a balanced persistent grid (on since session 36: causal batches of 8-16 up to 1.5x, docs/performance.md)
             same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
-            plan.ws_programs = attention_kernel.attention_ws.persistent_programs(
-                item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
-                num_kv_heads, _num_sms(device), n // batch if same_tiles else None)
+            ws, sms, per_request = attention_kernel.attention_ws, _num_sms(device), n // batch if same_tiles else None
+            if ws.grid_candidates(n * num_kv_heads, num_kv_heads, sms, per_request):  # else no cost to compute
+                plan.ws_programs = ws.persistent_programs(
+                    item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
+                    num_kv_heads, sms, per_request)
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len

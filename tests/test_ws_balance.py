@@ -119,3 +119,18 @@ def test_deal_model_script_recovers_a_fit(tmp_path):
     a, b, rows = model.fit(model.points_of(str(tmp_path / "x.json")), 0.0, 132)
     assert abs(a - 2e-3) < 1e-9 and abs(b - 7e-3) < 1e-9
     assert all(abs(m - p["triton_ms"]) < 1e-9 and balanced <= m + 1e-12 for p, m, balanced in rows)
+
+
+def test_grid_candidates_let_a_plan_skip_its_item_costs():
+    """grid_candidates: the grids persistent_programs would try; none past SEARCH_ROUNDS rounds of a ragged batch (or
+    of equal requests with no aligned grid in the span), so the plan skips computing item costs there."""
+    sms = 132
+    assert attention_ws.grid_candidates(100, 8, sms) == []  # one round or less: every task its own program
+    assert attention_ws.grid_candidates(1024, 8, sms) == [131, 130, 129, 128]  # 8 rounds: every grid in the span
+    assert attention_ws.grid_candidates(1024, 8, sms, 16) == [128, 131, 130, 129]  # 16 items x 8 heads: 128 first
+    many = attention_ws.SEARCH_ROUNDS * sms + 1
+    assert attention_ws.grid_candidates(many, 8, sms) == []
+    assert attention_ws.grid_candidates(many, 8, sms, 16) == [128]
+    assert attention_ws.grid_candidates(many, 8, sms, 19) == []
+    costs = np.ones(many // 8 + 1, dtype=np.int64)
+    assert attention_ws.persistent_programs(costs, 8, sms) == sms

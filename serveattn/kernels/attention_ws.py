@@ -727,6 +727,22 @@ def program_loads(task_costs: np.ndarray, programs: int) -> np.ndarray:
     return np.add.reduce(dealt, axis=0)
 
 
+def grid_candidates(num_tasks: int, num_kv_heads: int, num_sms: int, items_per_request: Optional[int] = None):
+    """The smaller grids persistent_programs tries, in order (none: the SM count stands, and the plan need not
+    compute its items' costs): up to BALANCE_SPAN fewer programs, those whose rounds hold whole requests (or
+    whole halves, quarters.. of one) first, and past SEARCH_ROUNDS rounds only those."""
+    if num_tasks <= num_sms:
+        return []
+    tried = range(num_sms - 1, num_sms - BALANCE_SPAN - 1, -1)
+    aligned = []
+    if items_per_request:
+        period = items_per_request * num_kv_heads
+        aligned = [p for p in tried if p % period == 0 or (period % p == 0 and (period // p) % 2 == 0)]
+    if num_tasks > SEARCH_ROUNDS * num_sms:
+        return aligned
+    return [*aligned, *(p for p in tried if p not in aligned)]
+
+
 def persistent_programs(item_costs: np.ndarray, num_kv_heads: int, num_sms: int,
                         items_per_request: Optional[int] = None) -> int:
     """The persistent grid for a plan whose work items cost item_costs each (one task an item and KV head, the
@@ -735,21 +751,18 @@ def persistent_programs(item_costs: np.ndarray, num_kv_heads: int, num_sms: int,
     requests, or whole halves, quarters.. of one, are tried first (the snake then pairs each tile with its
     mirror), and past SEARCH_ROUNDS only those. A task is computed whole by one program, so the grid changes no
     bit of the result."""
+    num_tasks = item_costs.size * num_kv_heads
+    if num_tasks <= num_sms:
+        return int(num_tasks)
+    candidates = grid_candidates(num_tasks, num_kv_heads, num_sms, items_per_request)
+    if not candidates:
+        return num_sms
     task_costs = np.repeat(item_costs.astype(np.int64), num_kv_heads)
-    if task_costs.size <= num_sms:
-        return int(task_costs.size)
     total = int(np.add.reduce(task_costs))
     best_programs, best_load = num_sms, int(np.maximum.reduce(program_loads(task_costs, num_sms)))
     if best_load <= BALANCED * total / num_sms:
         return num_sms
-    tried = range(num_sms - 1, num_sms - BALANCE_SPAN - 1, -1)
-    aligned = []
-    if items_per_request:
-        period = items_per_request * num_kv_heads
-        aligned = [p for p in tried if p % period == 0 or (period % p == 0 and (period // p) % 2 == 0)]
-    if task_costs.size > SEARCH_ROUNDS * num_sms:
-        tried = aligned
-    for programs in (*aligned, *(p for p in tried if p not in aligned)):
+    for programs in candidates:
         if total / programs >= best_load:  # even a perfect deal on fewer programs carries more
             continue
         load = int(np.maximum.reduce(program_loads(task_costs, programs)))
