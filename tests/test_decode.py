@@ -623,3 +623,32 @@ def test_a_refused_graph_replan_keeps_the_counts_its_graph_reads(device):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 16, 8, 64, 16, q_data_type=torch.float16)
     assert w._done_count is counts
     assert torch.equal(w.run(b.q, b.cache), before)
+
+
+def test_ragged_split_under_cuda_graph_replans(device):
+    """A CUDA-graph wrapper (its fixed grid striding over the work list) re-planned between ragged batches that fill
+    the GPU (the interpreter's 2 SMs) and take the ragged split, and one that does not: each run matches the
+    reference, every row written; planned back, the first batch's bits again."""
+    gen = torch.Generator().manual_seed(3636)
+    batches = [make_paged_batch(gen, qo_lens=[1] * len(kv), kv_lens=kv, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                                page_size=16, dtype=torch.bfloat16, device=device)
+               for kv in ([40, 1500, 0, 77, 1, 260], [700, 3, 9, 5, 1, 2], [50, 60, 70, 80, 90, 100])]
+    i32 = dict(dtype=torch.int32, device=device)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(8 << 20, dtype=torch.uint8, device=device), use_cuda_graph=True, backend="triton",
+        paged_kv_indptr_buffer=torch.empty(7, **i32), paged_kv_indices_buffer=torch.empty(200, **i32),
+        paged_kv_last_page_len_buffer=torch.empty(6, **i32))
+    outs = []
+    for b in (*batches, batches[0]):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16)
+        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+        assert not out.isnan().any()
+        ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                                 b.last_page_len, causal=True)
+        assert rel_err(out, ref_out) < 1e-2
+        check_lse(lse, ref_lse)
+        outs.append((out, lse))
+    if device == "cpu":
+        assert w._plan.chunk is not None  # the first batch's plan, again: split
+    assert torch.equal(outs[0][0], outs[-1][0]) and torch.equal(outs[0][1], outs[-1][1])
