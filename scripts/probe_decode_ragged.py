@@ -6,10 +6,10 @@ from a CUDA graph, alternating in one process on the same inputs; the first vari
         [--variants "off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default="]
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
-with one request of 32768 (outlier), one draw a (batch, distribution), on shuffled pages. The bench (`python -m
-serveattn.bench decode`) has equal lengths only. Prints a row a case: each variant's do_bench median (best of
-the rounds), its time over the first variant's (below 1: faster), and whether every variant's output equals the
-first's bitwise (a split changes the bits, as a split plan's do; an order alone must not).
+with one request of 32768 (outlier), one draw a (batch, distribution), on shuffled pages: the lengths and page
+table of `python -m serveattn.bench decode --ragged` (which times them against FlashInfer). Prints a row a case:
+each variant's do_bench median (best of the rounds), its time over the first variant's (below 1: faster), and
+whether every variant's output equals the first's bitwise (a split changes the bits, as a split plan's do; an order alone must not).
 """
 import argparse
 import os
@@ -19,28 +19,19 @@ import torch
 
 import serveattn
 from serveattn.bench import common
+from serveattn.bench import decode as decode_bench
 
-HKV, D, PS = 8, 128, 16
-
-
-def lengths(dist: str, batch: int, rng) -> np.ndarray:
-    if dist == "uniform":
-        return rng.integers(1, 8193, batch)
-    if dist == "outlier":
-        return np.array([1024] * (batch - 1) + [32768])[rng.permutation(batch)]
-    return np.minimum(np.exp(rng.normal(7.5, 1.0, batch)).astype(np.int64) + 1, 32768)
+HKV, D, PS = decode_bench.HKV, decode_bench.HEAD_DIM, decode_bench.PAGE_SIZE
 
 
-def inputs(kv_lens: np.ndarray, group: int, gen):
-    pages = -(-kv_lens // PS)
-    total = int(pages.sum())
-    i32 = dict(dtype=torch.int32, device="cuda")
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum(pages)]), **i32)
-    indices = torch.randperm(total + 7, generator=gen)[:total].to(**i32)
-    last = torch.tensor(kv_lens - (pages - 1) * PS, **i32)
-    cache = torch.randn(total + 7, 2, PS, HKV, D, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+def inputs(kv_lens: np.ndarray, group: int, seed: int):
+    """The bench's ragged page table (shuffled pages) with a random cache and q for `group` query heads a KV head."""
+    meta = decode_bench.build_meta(kv_lens.size, int(kv_lens.max()), seed=seed, device="cuda",
+                                   kv_lens=kv_lens.tolist())
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(meta.num_pages, 2, PS, HKV, D, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(kv_lens.size, HKV * group, D, generator=gen).to(device="cuda", dtype=torch.bfloat16)
-    return indptr, indices, last, cache, q
+    return meta.indptr, meta.indices, meta.last_page_len, cache, q
 
 
 def runner(settings: dict, graph: bool, args_in, group: int, tensor_cores: bool = False):
@@ -95,9 +86,9 @@ def main() -> None:
     print("| --- " * (6 + 2 * len(names) - 1) + "|")
     for dist in args.dists.split(","):
         for batch in map(int, args.batches.split(",")):
-            kv_lens = lengths(dist, batch, np.random.default_rng(batch))
+            kv_lens = np.array(decode_bench.ragged_lengths(batch, dist))
             for group in map(int, args.groups.split(",")):
-                data = inputs(kv_lens, group, torch.Generator().manual_seed(batch * 10 + group))
+                data = inputs(kv_lens, group, batch * 10 + group)
                 for graph in (False, True):
                     calls = {n: runner(variants[n], graph, data, group, args.tensor_cores) for n in names}
                     for call, _ in calls.values():

@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import _single_prefill, split_paged_cache
+from .prefill import _single_prefill, ragged_chunk, split_paged_cache
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -45,11 +45,10 @@ MIN_CHUNK = 256  # tokens; shorter chunks cost more in merging than they gain in
 # session 35: 1 x 16384 keys, 64 -> 32 chunks, bandwidth / tensor-core route 1.01 -> 0.88 at group 1, 1.08 -> 0.93
 # at group 4; 8K and two requests unchanged). SERVEATTN_DECODE_MAX_SLOTS overrides it (measuring; 0: no cap).
 MAX_SLOTS = 32
-# A full GPU's batch is split where a request holds more than RAGGED_SKEW x the keys a program would carry with
-# the batch spread evenly, into chunks of that share / RAGGED_SPLIT (choose_chunk's _ragged_chunk): with the items
-# longest first, ragged batches of 64-256 requests took 0.12-0.70x the time, equal lengths unchanged (H100,
-# session 36, scripts/probe_decode_ragged.py). SERVEATTN_DECODE_RAGGED_SPLIT overrides it (0: off).
-RAGGED_SKEW = 1
+# A full GPU's batch is split where a request holds more keys than a program would carry with the batch spread
+# evenly, into chunks of that share / RAGGED_SPLIT (prefill.ragged_chunk): with the items longest first, ragged
+# batches of 64-256 requests took 0.12-0.70x the time, equal lengths unchanged (H100, session 36,
+# scripts/probe_decode_ragged.py). SERVEATTN_DECODE_RAGGED_SPLIT overrides it (0: off).
 RAGGED_SPLIT = 2
 
 
@@ -157,34 +156,23 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         target = _programs_per_sm() * num_sms
         max_kv = int(kv_lens.max())
         if programs >= target:
-            return _ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n)
+            return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n,
+                                int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT))), _split_limits)
         # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
         # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
         splits = 1 << (-(-target // programs) - 1).bit_length()
-        max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", str(MAX_SLOTS)))
+        min_chunk, max_slots = _split_limits()
         if max_slots > 0:
             splits = min(splits, max_slots)
-        chunk = max(int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))), -(-max_kv // splits))
+        chunk = max(min_chunk, -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
 
 
-def _ragged_chunk(kv_lens: np.ndarray, max_kv: int, num_kv_heads: int, target: int, block_n: int) -> Optional[int]:
-    """A full GPU's batch split only where its longest requests would outlast the rest: one program streams
-    ~13 GB/s (H100: 16 MB of one 32768-key request in 1.3 ms), so `target` of them in flight make the copy
-    bandwidth, and the batch's bandwidth-bound time is about a program's time for its keys over `target`
-    programs (per_program). A request of more than RAGGED_SKEW x that is cut into power-of-two chunks of
-    per_program / SERVEATTN_DECODE_RAGGED_SPLIT keys (0: off); batches of equal lengths are never split here."""
-    divisor = int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT)))
-    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // target
-    if divisor <= 0 or max_kv <= RAGGED_SKEW * per_program:
-        return None
-    chunk = 1 << max(per_program // divisor, 1).bit_length() - 1  # the power of two at or below
-    max_slots = int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", str(MAX_SLOTS)))
-    chunk = max(chunk, int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))),
-                -(-max_kv // max_slots) if max_slots > 0 else 0)
-    chunk = -(-chunk // block_n) * block_n
-    return chunk if chunk < max_kv else None
+def _split_limits():
+    """(MIN_CHUNK, MAX_SLOTS), or SERVEATTN_DECODE_MIN_CHUNK / _MAX_SLOTS where set (measuring only)."""
+    return (int(knobs.get("SERVEATTN_DECODE_MIN_CHUNK", str(MIN_CHUNK))),
+            int(knobs.get("SERVEATTN_DECODE_MAX_SLOTS", str(MAX_SLOTS))))
 
 
 def build_decode_work(kv: np.ndarray, kv_start: np.ndarray, chunk: Optional[int], costliest_first: bool = False):

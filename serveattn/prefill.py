@@ -199,7 +199,7 @@ def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, c
 # unsplit; session 31, H100, page size 1: 64 programs -> 256 1.54x faster, 128 -> 256 0.72x as fast)
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
-# the ragged split of a decode-shaped plan that fills the GPU (_ragged_chunk; measuring only)
+# the ragged split of a decode-shaped plan that fills the GPU (ragged_chunk; measuring only)
 RAGGED_PROGRAMS_PER_SM = 2
 RAGGED_MAX_CHUNKS = 32
 
@@ -228,9 +228,10 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
         return None
     if not forced and warp_specialized is not None and warp_specialized():
         return None
-    if full:
-        return _ragged_chunk(kv_lens, num_kv_heads, num_sms, tiles.block_n, ragged)
     max_kv = int(np.maximum.reduce(kv_lens))
+    if full:  # measuring only, off by default until GPU-measured
+        return ragged_chunk(kv_lens, max_kv, num_kv_heads, RAGGED_PROGRAMS_PER_SM * num_sms, tiles.block_n, ragged,
+                            _ragged_limits)
     if forced:
         chunk = int(forced)
     else:
@@ -240,20 +241,26 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     return chunk if chunk < max_kv else None
 
 
-def _ragged_chunk(kv_lens, num_kv_heads: int, num_sms: int, block_n: int, divisor: int) -> Optional[int]:
-    """decode._ragged_chunk's rule for a decode-shaped plan on this kernel (measuring only: SERVEATTN_PREFILL_
-    RAGGED_SPLIT=divisor, off by default until GPU-measured): with RAGGED_PROGRAMS_PER_SM programs an SM in flight,
-    a request longer than its even share of the batch's keys (per_program) is cut into power-of-two chunks of
-    per_program / divisor keys (at least SPLIT_MIN_CHUNK, at most RAGGED_MAX_CHUNKS chunks)."""
-    kv = np.asarray(kv_lens, dtype=np.int64)
-    max_kv = int(np.maximum.reduce(kv)) if kv.size else 0
-    per_program = int(np.add.reduce(kv)) * num_kv_heads // (RAGGED_PROGRAMS_PER_SM * num_sms)
-    if max_kv <= per_program:
+def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_n: int, divisor: int,
+                 limits) -> Optional[int]:
+    """The ragged split of a batch that fills the GPU (decode's bandwidth kernel; this kernel's decode-shaped plans
+    under SERVEATTN_PREFILL_RAGGED_SPLIT): one program streams ~13 GB/s (H100: 16 MB of one 32768-key request in
+    1.3 ms), so `in_flight` of them make the copy bandwidth and the batch's bandwidth-bound time is about one
+    program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program (so
+    never one of equal lengths) is cut, into power-of-two chunks of per_program / divisor keys (0: off), at least
+    min_chunk and at most max_chunks of them: limits() -> (min_chunk, max_chunks), asked only where a cut falls."""
+    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
+    if divisor <= 0 or max_kv <= per_program:
         return None
-    chunk = max(1 << max(per_program // divisor, 1).bit_length() - 1, SPLIT_MIN_CHUNK,
-                -(-max_kv // RAGGED_MAX_CHUNKS))
+    min_chunk, max_chunks = limits()
+    chunk = max(1 << max(per_program // divisor, 1).bit_length() - 1, min_chunk,  # the power of two at or below
+                -(-max_kv // max_chunks) if max_chunks > 0 else 0)
     chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
+
+
+def _ragged_limits():
+    return SPLIT_MIN_CHUNK, RAGGED_MAX_CHUNKS
 
 
 def split_rows(qo_lens, kv_lens, chunk: int) -> int:
@@ -472,10 +479,11 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             # a balanced persistent grid (on since session 36: causal batches of 8-16 up to 1.5x, docs/performance.md)
             same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
             ws, sms, per_request = attention_kernel.attention_ws, _num_sms(device), n // batch if same_tiles else None
-            if ws.grid_candidates(n * num_kv_heads, num_kv_heads, sms, per_request):  # else no cost to compute
+            candidates = ws.grid_candidates(n * num_kv_heads, num_kv_heads, sms, per_request)
+            if candidates:  # else the SM count stands: no item costs to compute
                 plan.ws_programs = ws.persistent_programs(
                     item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
-                    num_kv_heads, sms, per_request)
+                    num_kv_heads, sms, per_request, candidates)
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
         plan.kv_indices, plan.last_page_len = kv_indices, last_page_len

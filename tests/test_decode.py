@@ -331,7 +331,7 @@ def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
 ], ids=["g4", "g8", "chain2"])
 def test_ragged_split_against_the_reference(kv_lens, heads, q_len, device):
     """A ragged batch that fills the GPU (on the interpreter's 2 SMs: 4 programs) is split where a request
-    outlasts the rest (_ragged_chunk); its rows, long and short, match the reference, every row written, and a
+    outlasts the rest (prefill.ragged_chunk); its rows, long and short, match the reference, every row written, and a
     second run gives the same bits."""
     gen = torch.Generator().manual_seed(36 + len(kv_lens))
     hq, hkv = heads

@@ -171,7 +171,8 @@ def build_meta(batch: int, kv_len: int, seed: int = 0, device: Optional[str] = N
         return Meta(batch=len(kv_lens), kv_len=max(kv_lens),
                     indptr=torch.tensor([0] + list(itertools.accumulate(pages)), **i32),
                     indices=torch.randperm(num_pages, generator=g).to(**i32),
-                    last_page_len=torch.tensor([n - PAGE_SIZE * (p - 1) for n, p in zip(kv_lens, pages)], **i32),
+                    last_page_len=torch.tensor([n - PAGE_SIZE * (p - 1) if p else 0  # an empty request: 0
+                                                for n, p in zip(kv_lens, pages)], **i32),
                     num_pages=num_pages, page_of_token=None, slot_of_token=None, kv_lens=list(kv_lens))
     per = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
     num_pages = batch * per

@@ -744,17 +744,18 @@ def grid_candidates(num_tasks: int, num_kv_heads: int, num_sms: int, items_per_r
 
 
 def persistent_programs(item_costs: np.ndarray, num_kv_heads: int, num_sms: int,
-                        items_per_request: Optional[int] = None) -> int:
+                        items_per_request: Optional[int] = None, candidates: Optional[list] = None) -> int:
     """The persistent grid for a plan whose work items cost item_costs each (one task an item and KV head, the
     KV head fastest): the SM count unless a grid of up to BALANCE_SPAN fewer programs leaves its busiest program
     less to do. items_per_request: where every request has that many items, grids whose rounds hold whole
     requests, or whole halves, quarters.. of one, are tried first (the snake then pairs each tile with its
     mirror), and past SEARCH_ROUNDS only those. A task is computed whole by one program, so the grid changes no
-    bit of the result."""
+    bit of the result. candidates: grid_candidates' answer where the caller has it already."""
     num_tasks = item_costs.size * num_kv_heads
     if num_tasks <= num_sms:
         return int(num_tasks)
-    candidates = grid_candidates(num_tasks, num_kv_heads, num_sms, items_per_request)
+    if candidates is None:
+        candidates = grid_candidates(num_tasks, num_kv_heads, num_sms, items_per_request)
     if not candidates:
         return num_sms
     task_costs = np.repeat(item_costs.astype(np.int64), num_kv_heads)
