@@ -102,7 +102,7 @@ class Plan:
     # host copies (torch path and checks)
     qo_indptr_host: torch.Tensor
     kv_indptr_host: torch.Tensor
-    kv_indices_host: torch.Tensor
+    kv_indices_host: Optional[torch.Tensor]  # the torch route only (it reads the page table at run())
     kv_lens_host: torch.Tensor
     mask_host: Optional[torch.Tensor]
     # device tensors (kernel path); make_plan's own arrays are numpy until _commit stages them
@@ -163,7 +163,9 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     qo, kv = np.asarray(qo_lens), np.asarray(kv_lens)
     # A request's costliest tile is its last, which sees all kv_len keys (causal or not); a later tile never
     # sees fewer keys than an earlier one, so each request's tiles go last to first.
-    by_cost = np.argsort(-kv, kind="stable")
+    # equal lengths (a decode batch, the common case): request order is already the stable order; no sort
+    same = kv.size == 0 or int(np.minimum.reduce(kv)) == int(np.maximum.reduce(kv))
+    by_cost = np.arange(kv.size) if same else np.argsort(-kv, kind="stable")
     shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
     if _tiles(shortest, group, block_m) == 1 == _tiles(longest, group, block_m):
         work = np.zeros((qo.size, 2), dtype=np.int32)  # one tile a request (decode through this family)
@@ -381,8 +383,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if paged:
         kv_lens, kv_np = policy.page_table(entry, kv_indptr, kv_indices, last_page_len, page_size, table_names)
         idx_np = policy.host_view(kv_indices)  # int32 as given: no int64 copy
-        # the plan's own copy: a caller may rewrite its page table after plan() (the torch route reads this)
-        idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
+        idx_host = None  # the torch route's copy, made below once the route is known
         max_page = policy.max_page(entry, idx_np[: int(kv_np[-1])], table_names[1])
     else:
         policy.check_index(entry, "kv_indptr", kv_indptr, min_len=1)
@@ -412,6 +413,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens=kv_lens, batch_invariant=batch_invariant) if backend == "auto" and held is None else None
     decision = routing.choose_prefill(entry, backend, request, device, held)
     chosen = decision.backend
+    # the torch route's own copy of the page table (it reads it at run()): a caller may rewrite its table after
+    # plan(); the kernels' routes copy it to the device in _commit instead
+    if paged and chosen == "torch":
+        idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
     max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
