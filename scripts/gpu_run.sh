@@ -35,6 +35,7 @@
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
 #   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
+#   scripts/gpu_run.sh probe-v-operand         # fp8/bf16 decode GPU tests with SERVEATTN_DECODE_V_OPERAND=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
@@ -497,6 +498,26 @@ step_probe_k_operand() {  # fp8 K widened in the mma operand (common.K_OPERAND):
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-k-operand.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_v_operand() {  # fp8 V widened in P.V's operand too (common.V_OPERAND): bitwise tests, then 0/1 alternating
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      SERVEATTN_DECODE_V_OPERAND=1 timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+        tests/test_decode_gpu.py tests/test_verify_gpu.py 2>&1 | tail -5
+    fi
+    for round in 1 2; do
+      for v_operand in 0 1; do
+        echo "== SERVEATTN_DECODE_V_OPERAND=$v_operand, round $round"
+        SERVEATTN_DECODE_V_OPERAND=$v_operand timeout 90 python3 scripts/probe_fp8.py --backend triton \
+          --cases 64x8192,128x4096,8x4096,1x8192
+      done
+    done
+    echo "== SERVEATTN_DECODE_V_OPERAND=1, fp8 stages (39 KB a CTA at 3 stages: deeper pipelines fit)"
+    SERVEATTN_DECODE_V_OPERAND=1 timeout 150 python3 scripts/probe_fp8.py --backend triton --cases 64x8192,128x4096 \
+      --tiles "16,64,2,6;16,64,2,8;16,64,2,4"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-v-operand.txt"
   return "${PIPESTATUS[0]}"
 }
 

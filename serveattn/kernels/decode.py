@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attention import LOG2E, _attend, _device_scales, _finish, _present, kv_scale_args, kv_strides
-from .common import K_OPERAND, LAUNCH_OPTIONS, soft_cap_mode, to_dtype, with_8bit_origin
+from .common import K_OPERAND, LAUNCH_OPTIONS, V_OPERAND, soft_cap_mode, to_dtype, with_8bit_origin
 from .launch import Pack
 from .sizes import next_pow2
 
@@ -165,7 +165,7 @@ def decode_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND)
+                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, V_IN_OPERAND=V_OPERAND)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
