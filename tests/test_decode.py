@@ -652,3 +652,45 @@ def test_ragged_split_under_cuda_graph_replans(device):
     if device == "cpu":
         assert w._plan.chunk is not None  # the first batch's plan, again: split
     assert torch.equal(outs[0][0], outs[-1][0]) and torch.equal(outs[0][1], outs[-1][1])
+
+
+def test_int32_kv_offsets_rule():
+    """SERVEATTN_KV_OFFSETS_32 (kernels/decode.OFF32_ENABLED): int32 offsets only where every element of the cache
+    lies within 2^31 - 1 of its first (attention.fits_int32, read from the shape and strides, not from a plan's
+    pages, so a captured graph stays right for any later plan), HND or NHD, strided views included."""
+    from serveattn.kernels.attention import fits_int32
+    small = torch.empty((64, 2, 16, 8, 128), device="meta").unbind(1)[0]
+    assert fits_int32(small)
+    # pages of 2 x 16 x 8 x 128: the K view's last element sits at (pages - 1) * 32768 + 16383
+    assert fits_int32(torch.empty((65536, 2, 16, 8, 128), device="meta").unbind(1)[0])  # 2^31 - 16385
+    assert not fits_int32(torch.empty((65537, 2, 16, 8, 128), device="meta").unbind(1)[0])  # 2^31 + 16383
+    # an HND view of 16 x 8 x 128 pages: (pages - 1) * 16384 + 16383, at most 2^31 - 1
+    assert fits_int32(torch.empty((131072, 16, 8, 128), device="meta").transpose(1, 2))
+    assert not fits_int32(torch.empty((131073, 16, 8, 128), device="meta").transpose(1, 2))
+
+
+@pytest.mark.parametrize("split", [None, 64])
+def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
+    """The decode kernel with int32 K/V offsets (OFF32, where the cache fits) gives the int64 kernel's bits, every
+    row written, split or not, on a tuple cache with a non-contiguous view."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(72)
+    kv_lens = [90, 300, 0, 33]
+    b = make_paged_batch(gen, qo_lens=[1] * 4, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, tuple_cache=True, non_contiguous=True, device=device)
+    results = {}
+    for off32 in (False, True):
+        monkeypatch.setattr(decode_kernel, "OFF32_ENABLED", off32)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                         backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               fixed_split_size=split, disable_split_kv=split is None)
+        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse)
+        assert [kind[-1] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
+        results[off32] = out, lse
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    assert not results[True][0].isnan().any()
+    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       causal=True)
+    assert rel_err(results[True][0], ref_out) < 1e-2

@@ -17,7 +17,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _device_scales, _finish, _present, kv_scale_args, kv_strides
+from .attention import LOG2E, _attend, _device_scales, _finish, _present, fits_int32, kv_scale_args, kv_strides
 from .common import K_OPERAND, LAUNCH_OPTIONS, V_OPERAND, soft_cap_mode, to_dtype, with_8bit_origin
 from .launch import Pack
 from .sizes import next_pow2
@@ -86,6 +86,12 @@ def merge_kind(group: int, q_len: int, chunks: Optional[np.ndarray]) -> str:
     return "heads" if chunks.size and int(np.maximum.reduce(chunks)) >= PER_HEAD_MERGE_MIN_CHUNKS else "fused"
 
 
+# SERVEATTN_KV_OFFSETS_32=1 (measuring only, off by default; not yet GPU-measured): K/V element offsets in int32
+# where the whole cache spans under 2^31 elements (attention.fits_int32; the cache, not the plan, so a captured graph
+# holds for every re-plan). sm_90 SASS of the KV loop (16,64,2,6): fp8 2023 -> 1828 instructions a block and warp,
+# bf16 2274 -> 1813 (IMAD 765 -> 533): the page gather's 64-bit address arithmetic. Read once at import.
+OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -118,7 +124,7 @@ def decode_kernel(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -165,7 +171,7 @@ def decode_kernel(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, V_IN_OPERAND=V_OPERAND)
+                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, V_IN_OPERAND=V_OPERAND, OFF32=OFF32)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -288,7 +294,8 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     fused = plan.merge == "fused" and bool(merge_rows)
     assert done_count is not None or not fused, "a fused fold needs the wrapper's completion counts"
     # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
-    kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv)
+    off32 = OFF32_ENABLED and fits_int32(k) and fits_int32(v)
+    kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv, off32)
     memo = plan.launch_memo.get(kind)
     if memo is None:
         memo = plan.launch_memo[kind] = _launch_memo(plan, *kind)
@@ -328,7 +335,8 @@ def _fixed_positions(num_plan_args: int, ks_dev: bool, vs_dev: bool):
     return tuple(fixed)
 
 
-def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool, kv_same_strides: bool):
+def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool, kv_same_strides: bool,
+                 off32: bool):
     """(the plan's schedule arguments, decode_kernel's keywords, merge_kernel's keywords) for one kind of call."""
     group_pad = tile_rows(plan.q_len, plan.group)
     merge_rows_pad = next_pow2(plan.q_len * plan.group)
@@ -339,7 +347,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
-        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
