@@ -35,8 +35,7 @@
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
 #   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
-#   scripts/gpu_run.sh probe-v-operand         # fp8/bf16 decode GPU tests with SERVEATTN_DECODE_V_OPERAND=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
-#   scripts/gpu_run.sh probe-decode-switches   # decode GPU tests under SERVEATTN_KV_OFFSETS_32=1 + V_OPERAND=1, then fp8 / bf16 decode base vs off32 (2 rounds), off32 + V_OPERAND (~6 min)
+#   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
@@ -502,35 +501,9 @@ step_probe_k_operand() {  # fp8 K widened in the mma operand (common.K_OPERAND):
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_v_operand() {  # fp8 V widened in P.V's operand too (common.V_OPERAND): bitwise tests, then 0/1 alternating
+step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFFSETS_32, on by default since
+  # session 37): fp8 / bf16 decode off / on in alternating processes, two rounds
   {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DECODE_V_OPERAND=1 timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
-        tests/test_decode_gpu.py tests/test_verify_gpu.py 2>&1 | tail -5
-    fi
-    for round in 1 2; do
-      for v_operand in 0 1; do
-        echo "== SERVEATTN_DECODE_V_OPERAND=$v_operand, round $round"
-        SERVEATTN_DECODE_V_OPERAND=$v_operand timeout 90 python3 scripts/probe_fp8.py --backend triton \
-          --cases 64x8192,128x4096,8x4096,1x8192
-      done
-    done
-    echo "== SERVEATTN_DECODE_V_OPERAND=1, fp8 stages (39 KB a CTA at 3 stages: deeper pipelines fit)"
-    SERVEATTN_DECODE_V_OPERAND=1 timeout 150 python3 scripts/probe_fp8.py --backend triton --cases 64x8192,128x4096 \
-      --tiles "16,64,2,6;16,64,2,8;16,64,2,4"
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-v-operand.txt"
-  return "${PIPESTATUS[0]}"
-}
-
-step_probe_decode_switches() {  # int32 K/V offsets (SERVEATTN_KV_OFFSETS_32) and V in the operand (V_OPERAND):
-  # the decode GPU tests under both, then fp8 / bf16 decode under base / off32 (two rounds, alternating processes)
-  # and off32 + V_OPERAND (one round)
-  {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_KV_OFFSETS_32=1 SERVEATTN_DECODE_V_OPERAND=1 timeout 240 python3 -m pytest -q -n 16 \
-        -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py tests/test_verify_gpu.py \
-        tests/test_decode.py 2>&1 | tail -5
-    fi
     for round in 1 2; do
       for off32 in 0 1; do
         echo "== SERVEATTN_KV_OFFSETS_32=$off32, round $round"
@@ -538,10 +511,7 @@ step_probe_decode_switches() {  # int32 K/V offsets (SERVEATTN_KV_OFFSETS_32) an
           --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
       done
     done
-    echo "== SERVEATTN_KV_OFFSETS_32=1 SERVEATTN_DECODE_V_OPERAND=1"
-    SERVEATTN_KV_OFFSETS_32=1 SERVEATTN_DECODE_V_OPERAND=1 timeout 90 python3 scripts/probe_fp8.py --backend triton \
-      --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-decode-switches.txt"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-off32.txt"
   return "${PIPESTATUS[0]}"
 }
 

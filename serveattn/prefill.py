@@ -201,7 +201,7 @@ def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, c
 # unsplit; session 31, H100, page size 1: 64 programs -> 256 1.54x faster, 128 -> 256 0.72x as fast)
 SPLIT_PROGRAMS_PER_SM = 1
 SPLIT_MIN_CHUNK = 256  # KV tokens: shorter chunks cost more in partial states and merging than they gain
-# the ragged split of a decode-shaped plan that fills the GPU (ragged_chunk; measuring only)
+# the ragged split of a decode-shaped plan that fills the GPU (ragged_chunk)
 RAGGED_PROGRAMS_PER_SM = 2
 RAGGED_MAX_CHUNKS = 32
 
@@ -223,7 +223,9 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     forced = fixed_split_size or knobs.get("SERVEATTN_PREFILL_SPLIT_CHUNK", "")
     # a plan that fills the GPU (most prefill, large decode batches) leaves here, before any array is read, unless
     # it is decode-shaped (a tile a request: the tensor-core decode route) and SERVEATTN_PREFILL_RAGGED_SPLIT is on
-    ragged = int(knobs.get("SERVEATTN_PREFILL_RAGGED_SPLIT", "0"))
+    # (2 by default since session 37: H200, ragged batches of 64-256 requests 0.19-0.74x the time, uniform 1.00x;
+    # docs/performance.md; 0 turns it off)
+    ragged = int(knobs.get("SERVEATTN_PREFILL_RAGGED_SPLIT", "2"))
     full = 2 * programs > target and not forced
     if num_items == 0 or (full and (ragged <= 0 or num_items > len(kv_lens))) or \
             knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
@@ -231,7 +233,7 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     if not forced and warp_specialized is not None and warp_specialized():
         return None
     max_kv = int(np.maximum.reduce(kv_lens))
-    if full:  # measuring only, off by default until GPU-measured
+    if full:
         return ragged_chunk(kv_lens, max_kv, num_kv_heads, RAGGED_PROGRAMS_PER_SM * num_sms, tiles.block_n, ragged,
                             _ragged_limits)
     if forced:

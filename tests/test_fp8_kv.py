@@ -242,25 +242,6 @@ def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
     assert fp8_ptx.count("mma.sync") == bf16_ptx.count("mma.sync") > 0
 
 
-def test_v_in_operand_gives_both_dtypes_one_layout(tmp_path):
-    """SERVEATTN_DECODE_V_OPERAND=1 (measuring only, common.V_OPERAND), sm_90 on this CPU: the fp8 V tile is
-    widened in P.V's operand registers too (no bf16 round trip left: one shared buffer fewer than under K_OPERAND
-    alone), and the bf16 cache's P.V takes the very same operand layouts (kWidth 4 for all four dot operands), so
-    the k-slots, hence the bits, stay the dequantized run's."""
-    def ir(kv, v_operand):
-        out = tmp_path / f"{kv}-v{v_operand}"
-        compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6",
-                         SERVEATTN_DECODE_K_OPERAND="1", SERVEATTN_DECODE_V_OPERAND=v_operand)
-        return (out / "decode.ttgir").read_text()
-    dots = lambda ttgir: re.sub(r"%[\w]+|loc\([^)]*\)", "", "\n".join(  # noqa: E731
-        line for line in ttgir.splitlines() if "tt.dot " in line))
-    buffers = lambda ttgir: len(re.findall(r"local_alloc.*x128xbf16", ttgir))  # noqa: E731
-    fp8, bf16, fp8_k_only = ir("fp8e4nv", "1"), ir("bf16", "1"), ir("fp8e4nv", "0")
-    assert dots(fp8) == dots(bf16)
-    assert re.findall(r"kWidth = (\d)", dots(fp8)) == ["4", "4", "4", "4"]
-    assert buffers(fp8) == buffers(fp8_k_only) - 1
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_tiles_keep_the_bitwise_contract(head_dim, monkeypatch):
     """An fp8 cache may pipeline differently from its dequantized copy, but never tile it differently: BLOCK_N

@@ -255,17 +255,17 @@ def test_split_rule_and_work_list():
 
 
 def test_ragged_split_rule(monkeypatch):
-    """SERVEATTN_PREFILL_RAGGED_SPLIT (measuring, off by default): a decode-shaped plan (a tile a request) that fills
+    """SERVEATTN_PREFILL_RAGGED_SPLIT (2 by default; 0 off): a decode-shaped plan (a tile a request) that fills
     the GPU cuts a request longer than its even share of the batch's keys (over 2 programs an SM) into
     power-of-two chunks of that share / the divisor; plans of more tiles than requests, equal lengths and plans
     the warp-specialized kernel serves are left whole."""
     tiles = prefill.TileConfig(16, 64, 4, 2)
     kv = np.array([1024] * 127 + [32768])  # per_program: (127 x 1024 + 32768) x 8 // 264 = 4933
     qo = np.ones(128, dtype=np.int64)
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "0")
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) is None  # off
     monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_SPLIT", raising=False)
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) is None  # the default: off
-    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "2")
-    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 2048
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 2048  # the default, 2
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 129) is None  # more tiles than requests: prefill
     assert prefill.split_chunk(qo, np.full(128, 4096), 4, tiles, 8, 132, 128) is None  # equal lengths
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, warp_specialized=lambda: True) is None

@@ -8,6 +8,7 @@ softmax in base 2; blocks that no mask can touch take an unmasked path.
 The grid's first axis may be smaller than the work list (CUDA graphs fix the grid): programs then
 stride over the work items.
 """
+import functools
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ except (ImportError, AttributeError):
 from . import gather, replay
 from .. import knobs
 from .common import (EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma, narrow,
-                     soft_cap_mode, to_dtype, vt_column, widen, widen_in_operand, with_8bit_origin)
+                     soft_cap_mode, to_dtype, vt_column, widen, widen_in_operand)
 from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -59,8 +60,13 @@ def _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_p, stride_s, stride_h,
 def fits_int32(t) -> bool:
     """Whether every element of the K or V view t lies within 2^31 - 1 elements of its first: int32 offsets then
     never overflow (_kv_offsets' OFF32). Read from the whole cache, not a plan's pages, so a CUDA graph captured
-    with it stays right for any later plan over the same cache."""
-    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) < 2 ** 31  # the last: 2^31 - 1
+    with it stays right for any later plan over the same cache. Asked every run(): kept per shape and strides."""
+    return _spans_int32(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _spans_int32(shape, strides) -> bool:
+    return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides)) < 2 ** 31  # the last: 2^31 - 1
 
 
 @triton.jit
@@ -116,12 +122,11 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
-            K_IN_OPERAND: tl.constexpr = False, V_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False):
+            K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
-    (widen_in_operand), q coming with the matching layout. V_IN_OPERAND (common.V_OPERAND, measuring only): the same
-    for V in P.V, a 16-bit V's P taking the matching layout (with_8bit_origin).
+    (widen_in_operand), q coming with the matching layout. OFF32: int32 K/V offsets (_kv_offsets).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -235,11 +240,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
-    V_OP: tl.constexpr = V_IN_OPERAND and not dtype.is_fp8()
-    if V_OP and v.dtype.is_fp8():
-        v = widen_in_operand(v, dtype)
-    else:
-        v = widen(v, dtype)
+    v = widen(v, dtype)
     if v.dtype.is_fp8():
         # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
         # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second
@@ -247,9 +248,6 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         p_op = narrow(p if FOLD else p * P_SCALE, tl.float8e4nv)
     else:
         p_op = to_dtype(p, v.dtype)
-        if V_OP and not V.dtype.element_ty.is_fp8():  # the fp8 V's kWidth (a byte at V's base: never out of bounds)
-            byte = tl.load(V.to(tl.pointer_type(tl.int8)) + tl.zeros([1, BLOCK_N], dtype=tl.int32))
-            p_op = with_8bit_origin(p_op, tl.broadcast_to(byte, p_op.shape))
     acc = mma(p_op, v, acc * alpha[:, None])
     if ROWSUM:  # [rows, ROWSUM_N], every column the row's sum of P * P_SCALE in f16
         ones = tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float16)

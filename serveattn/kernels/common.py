@@ -86,15 +86,6 @@ ROWSUM_N: tl.constexpr = tl.constexpr(16)  # the ones tile's columns in prefill_
 _K_OPERAND = os.environ.get("SERVEATTN_DECODE_K_OPERAND", "1") == "1"
 K_OPERAND: tl.constexpr = tl.constexpr(_K_OPERAND and not INTERPRET.value)
 
-# SERVEATTN_DECODE_V_OPERAND=1 (measuring only, off by default; not yet GPU-measured): K_OPERAND's move for P.V too.
-# An fp8 V tile is widened by Triton's conversions in the B operand's registers after its shared-memory load (no bf16
-# round trip left: one bf16 shared buffer fewer, ~39 KB a CTA instead of ~55 at 64 keys x 3 stages), and a 16-bit
-# cache's P gets an 8-bit origin (with_8bit_origin) so its P.V takes the same kWidth 4 layouts and k-slots (the bits
-# of the dequantized run). On paper (scripts/probe_k_operand_widen.py, one block, 16 rows x 64 keys): fp8's loop
-# 911 -> 1169 SASS instructions (byte LDS for the k-major operand), bf16's 505 -> 644 (no ldmatrix.trans for V).
-_V_OPERAND = os.environ.get("SERVEATTN_DECODE_V_OPERAND", "0") == "1"
-V_OPERAND: tl.constexpr = tl.constexpr(_V_OPERAND and not INTERPRET.value)
-
 # SERVEATTN_EARLY_V=0: load an fp8 attention V tile where it is used (for measuring the early load only).
 EARLY_V: tl.constexpr = tl.constexpr(os.environ.get("SERVEATTN_EARLY_V", "1") == "1")
 
