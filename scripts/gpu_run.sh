@@ -36,6 +36,7 @@
 #   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
+#   scripts/gpu_run.sh probe-unmasked          # decode GPU tests with SERVEATTN_DECODE_UNMASKED_LOOP=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
@@ -512,6 +513,25 @@ step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFF
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-off32.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_unmasked() {  # the decode kernel's unmasked KV loop (SERVEATTN_DECODE_UNMASKED_LOOP): the decode GPU
+  # tests under it, then fp8 / bf16 decode 0 / 1 in alternating processes, two rounds
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      SERVEATTN_DECODE_UNMASKED_LOOP=1 timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+        tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
+        2>&1 | tail -5
+    fi
+    for round in 1 2; do
+      for unmasked in 0 1; do
+        echo "== SERVEATTN_DECODE_UNMASKED_LOOP=$unmasked, round $round"
+        SERVEATTN_DECODE_UNMASKED_LOOP=$unmasked timeout 90 python3 scripts/probe_fp8.py --backend triton \
+          --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-unmasked.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -694,3 +694,34 @@ def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                        causal=True)
     assert rel_err(results[True][0], ref_out) < 1e-2
+
+
+@pytest.mark.parametrize("q_len,opts,split", [
+    (1, {}, None), (1, {}, 64), (3, {}, None), (4, {}, 32), (1, {"window_left": 40}, None),
+    (1, {"logits_soft_cap": 5.0}, 64)], ids=["decode", "decode-split", "chain3", "chain4-split", "window", "softcap"])
+def test_unmasked_loop_moves_no_bit(q_len, opts, split, device, monkeypatch):
+    """SERVEATTN_DECODE_UNMASKED_LOOP (kernels/decode.UNMASKED_LOOP, measuring): the blocks every real row sees
+    whole run without masks, the rest (a request's last block, a chain's draft keys, a window's edge) masked; the
+    result is the masked kernel's, bit for bit, every row written, the reference's. Lengths put the last block and
+    the draft keys on and off block edges (blocks of 32 or 64 keys: 64, 128 and 129 keys), with an empty request."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"unmasked-{q_len}-{opts}-{split}".encode()))
+    kv_lens = [129, 64, 0, 300, 128, 5] if q_len == 1 else [129, 64, 300, 128, 5]
+    n = len(kv_lens)
+    b = make_paged_batch(gen, qo_lens=[q_len] * n, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device=device)
+    results = {}
+    for unmasked in (False, True):
+        monkeypatch.setattr(decode_kernel, "UNMASKED_LOOP", unmasked)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                         backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+               q_len_per_req=q_len, fixed_split_size=split, disable_split_kv=split is None, **opts)
+        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse)
+        results[unmasked] = out, lse
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
+    assert not results[True][0].isnan().any()
+    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       causal=True, **opts)
+    assert rel_err(results[True][0], ref_out) < 1e-2

@@ -57,13 +57,20 @@ def test_alone_check_is_bitwise_where_the_tiles_agree():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's tiles and SM count (the script runs on the CPU here)")
-def test_alone_check_is_close_where_only_the_request_alone_splits():
+def test_alone_check_is_close_where_only_the_request_alone_splits(monkeypatch):
     """Decode seed 95313 (RoPE, so the tensor-core route): one request of 377 keys alone is split (256-key chunks on
-    the interpreter's 2 "SMs"), the batch of two is not: a default plan splits by the batch's size (README), so its
-    rows are close, not bitwise (fixed_split_size / disable_split_kv are the batch-invariant plans)."""
+    the interpreter's 2 "SMs"); in the batch of two, which fills them, only the ragged split cuts it. With that off
+    (SERVEATTN_PREFILL_RAGGED_SPLIT=0) the batch is unsplit: a default plan splits by the batch's size (README), so
+    the request's rows are close, not bitwise (fixed_split_size / disable_split_kv are the batch-invariant plans).
+    By default the ragged split cuts it into the same 256-key chunks here: the same tiles, so bitwise."""
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "0")
     case = fuzz.run_case("decode", 95313, recycle=False)
     assert not case.failures, case.failures
     assert case.config["alone_tiles"] == ((16, 32, 4, None), (16, 32, 4, 256))
+    monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_SPLIT")
+    case = fuzz.run_case("decode", 95313, recycle=False)
+    assert not case.failures, case.failures
+    assert "alone_tiles" not in case.config  # same tiles and chunks: checked bitwise
 
 
 class DevicePlumbing(TorchFunctionMode):

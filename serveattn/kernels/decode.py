@@ -88,11 +88,18 @@ def merge_kind(group: int, q_len: int, chunks: Optional[np.ndarray]) -> str:
 
 # SERVEATTN_KV_OFFSETS_32 (on by default since session 37; =0 turns it off): K/V element offsets in int32 where the
 # whole cache spans under 2^31 elements (attention.fits_int32; the cache, not the plan, so a captured graph holds for
-# every re-plan). sm_90 SASS of the KV loop (16,64,2,6): fp8 2023 -> 1828 instructions a block and warp, bf16 2274 ->
-# 1813 (IMAD 765 -> 533): the page gather's 64-bit address arithmetic. H200, alternating processes (two rounds each):
+# every re-plan). sm_90 SASS of the KV loop (16,64,2,6): fp8 1169 -> 1112 instructions a block and warp, bf16 962 ->
+# 858: the page gather's 64-bit address arithmetic. H200, alternating processes (two rounds each):
 # bf16 decode 64x8192 0.503 -> 0.492 ms (4.27 -> 4.36 TB/s), 128x4096 0.503 -> 0.494; fp8 0.317 -> 0.307 and 0.324 ->
 # 0.312 ms (fp8/bf16 1.55-1.59 -> 1.58-1.61x); the same bits. Read once at import.
 OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
+
+# SERVEATTN_DECODE_UNMASKED_LOOP=1 (measuring only, off by default; not yet GPU-measured): the KV loop's blocks that
+# every real row sees whole run without masks (no bounds compare, no select, unpredicated loads and page-table reads),
+# the request's last block (and a chain's draft keys, and any window) through the masked loop; the same bits. sm_90
+# SASS of the KV loop (16,64,2,6, int32 offsets): fp8 1112 -> 1047 instructions a block and warp, bf16 858 -> 666.
+# Read into each plan's launch memo (tests flip the attribute between plans).
+UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
@@ -127,6 +134,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
+    UNMASKED: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -167,7 +175,20 @@ def decode_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
+        mid = lo
+        if UNMASKED and not HAS_WINDOW:
+            # blocks every real row sees whole (below hi and, for draft rows, below the first draft's position)
+            # need no mask: the same bits, fewer instructions (UNMASKED_LOOP); the rest go through the masked loop
+            full_end = tl.minimum(hi, delta + 1) if QLEN > 1 else hi
+            mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
+            for n0 in range(lo, mid, BLOCK_N):
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
+                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, False, False, False, SOFT_CAP, False,
+                    KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32)
+        for n0 in range(mid, hi, BLOCK_N):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -349,7 +370,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
-        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, UNMASKED=UNMASKED_LOOP,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
