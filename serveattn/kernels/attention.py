@@ -47,7 +47,7 @@ COPY_BYTES_PER_S = 3.0e12  # the copy's read + write rate (the H200 copies at up
 def _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_p, stride_s, stride_h,
                 PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, OFF32: tl.constexpr = False):
     """int64 element offsets of the rows of keys n for KV head kvh; int32 under OFF32 (the launch checked that every
-    element of the cache lies within 2^31 - 1 of its start: fits_int32), a third fewer address instructions."""
+    element of the cache lies within 2^31 - 1 of its start: fits_int32), fewer address instructions."""
     WIDE: tl.constexpr = tl.int32 if OFF32 else tl.int64
     if PAGED:
         page = tl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=n_ok, other=0)
