@@ -134,3 +134,20 @@ def test_grid_candidates_let_a_plan_skip_its_item_costs():
     assert attention_ws.grid_candidates(many, 8, sms, 19) == []
     costs = np.ones(many // 8 + 1, dtype=np.int64)
     assert attention_ws.persistent_programs(costs, 8, sms) == sms
+
+
+@pytest.mark.parametrize("batch,qo_len,kv_len,group,causal", [
+    (8, 2048, 2048, 1, True), (16, 2048, 2048, 4, True), (16, 512, 512, 8, True), (64, 512, 512, 4, True),
+    (5, 300, 900, 4, True), (12, 1000, 1000, 2, False)])
+def test_equal_batches_take_the_general_grid(batch, qo_len, kv_len, group, causal):
+    """make_plan's shortcut for batches of equal requests (prefill._equal_batch_programs, kept per shape) picks the
+    grid the general search picks from the batch's own work list and item costs."""
+    from serveattn.prefill import _equal_batch_programs
+    hkv, sms, block_m, block_n = 32 // group, 132, 128, 128
+    qo, kv = np.full(batch, qo_len), np.full(batch, kv_len)
+    work, n = build_work(qo, kv, group, block_m, causal)
+    candidates = attention_ws.grid_candidates(n * hkv, hkv, sms, n // batch)
+    general = attention_ws.persistent_programs(item_costs(work.numpy(), qo, kv, group, block_m, block_n, causal), hkv,
+                                               sms, n // batch, candidates) if candidates else sms
+    assert _equal_batch_programs(batch, qo_len, kv_len, group, block_m, block_n, causal, hkv, sms,
+                                 tuple(candidates)) == general
