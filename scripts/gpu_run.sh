@@ -37,6 +37,7 @@
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-unmasked          # decode GPU tests with SERVEATTN_DECODE_UNMASKED_LOOP=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
+#   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
 #   scripts/gpu_run.sh fuzz                    # fuzz.py --device cuda: FUZZ_SECONDS (240) from seed FUZZ_START (0), FUZZ_SCALE (1)
@@ -532,6 +533,28 @@ step_probe_unmasked() {  # the decode kernel's unmasked KV loop (SERVEATTN_DECOD
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-unmasked.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_prefill_off32() {  # prefill_kernel's int32 K/V offsets (SERVEATTN_PREFILL_KV_OFFSETS_32): its GPU tests
+  # under it, then the tensor-core decode route (probe_fp8 --tc) and prefill_kernel's prefill (SERVEATTN_PREFILL_WS=0)
+  # off / on in alternating processes, two rounds
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      SERVEATTN_PREFILL_KV_OFFSETS_32=1 timeout 300 python3 -m pytest -q -n 16 -p no:cacheprovider \
+        tests/test_prefill_gpu.py tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_fp8_kv.py \
+        tests/test_tree_verify.py tests/test_prefill.py 2>&1 | tail -5
+    fi
+    for round in 1 2; do
+      for off32 in 0 1; do
+        echo "== SERVEATTN_PREFILL_KV_OFFSETS_32=$off32, round $round"
+        SERVEATTN_PREFILL_KV_OFFSETS_32=$off32 timeout 90 python3 scripts/probe_fp8.py --backend triton --tc \
+          --cases 64x8192,8x4096,1x8192
+        SERVEATTN_PREFILL_KV_OFFSETS_32=$off32 SERVEATTN_PREFILL_WS=0 timeout 90 python3 scripts/probe_prefill.py \
+          --cases 1x8192,16x2048 --kinds bf16,kv8
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-prefill-off32.txt"
   return "${PIPESTATUS[0]}"
 }
 

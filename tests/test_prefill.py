@@ -269,3 +269,45 @@ def test_a_caller_reusing_its_mask_and_page_table_after_plan_changes_nothing(bac
     mask.logical_not_()
     indices.copy_(indices.flip(0))
     assert rel_err(w.run(b.q, b.cache), want) < tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("kind", ["paged-causal", "paged-window", "ragged", "decode-tc", "tree"])
+def test_int32_kv_offsets_move_no_bit(kind, device, monkeypatch):
+    """SERVEATTN_PREFILL_KV_OFFSETS_32 (kernels/attention.PREFILL_OFF32, measuring): prefill_kernel with int32 K/V
+    offsets (where the cache fits, attention.fits_int32) gives the int64 kernel's bits, every row written: paged
+    (HND, a window), ragged, the decode wrapper's tensor-core route and a tree."""
+    from serveattn.kernels import attention as attention_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"off32-{kind}".encode()))
+    decode_like = kind in ("decode-tc", "tree")
+    kv_lens = [90, 300, 0, 33] if kind == "decode-tc" else [90, 300, 7, 33]
+    qo_lens = [1] * 4 if decode_like else [5, 70, 7, 33]
+    b = make_paged_batch(gen, qo_lens=[3] * 4 if kind == "tree" else qo_lens, kv_lens=kv_lens, num_qo_heads=8,
+                         num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                         kv_layout="HND" if kind == "paged-window" else "NHD", device=device)
+    ws = torch.empty(8 << 20, dtype=torch.uint8, device=device)
+    k, v = (torch.randn(sum(kv_lens), 2, 64, generator=gen).to(torch.bfloat16).to(device) for _ in range(2))
+    results = {}
+    for off32 in (False, True):
+        monkeypatch.setattr(attention_kernel, "PREFILL_OFF32", off32)
+        if decode_like:
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+                   **({"tree_parents": [[-1, 0, 0]] * 4} if kind == "tree" else {}))
+            args = (b.q, b.cache)
+        elif kind == "ragged":
+            kv_indptr = torch.tensor([0] + torch.cumsum(torch.tensor(kv_lens), 0).tolist(), dtype=torch.int32,
+                                     device=device)
+            w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.qo_indptr, kv_indptr, 8, 2, 64, causal=True, q_data_type=torch.bfloat16)
+            args = (b.q, k, v)
+        else:
+            w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, "HND" if kind == "paged-window" else "NHD",
+                                                              backend="triton")
+            w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
+                   q_data_type=torch.bfloat16, **({"window_left": 20} if kind == "paged-window" else {}))
+            args = (b.q, b.cache)
+        out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(*args, out=out, lse=lse, return_lse=True)
+        assert not out.isnan().any()
+        results[off32] = out, lse
+    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])

@@ -9,6 +9,7 @@ The grid's first axis may be smaller than the work list (CUDA graphs fix the gri
 stride over the work items.
 """
 import functools
+import os
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -62,6 +63,14 @@ def fits_int32(t) -> bool:
     never overflow (_kv_offsets' OFF32). Read from the whole cache, not a plan's pages, so a CUDA graph captured
     with it stays right for any later plan over the same cache. Asked every run(): kept per shape and strides."""
     return _spans_int32(t.shape, t.stride())
+
+
+# SERVEATTN_PREFILL_KV_OFFSETS_32=1 (measuring only, off by default; not yet GPU-run): prefill_kernel (head dim 256,
+# the tensor-core decode route, trees, RoPE, fp8 attention's fallback) addresses K/V with int32 offsets where the
+# cache fits (fits_int32), as the decode kernel does by default since session 37. sm_90 SASS of its KV loops, bf16,
+# tiles 16,64,4,2 (the tensor-core decode route): unmasked / masked 420 / 480 -> 324 / 380 instructions a block;
+# 64,64,4,2: 522 / 699 -> 423 / 592. Read into each launch's keywords (tests flip the attribute).
+PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "0") == "1"
 
 
 @functools.lru_cache(maxsize=256)
@@ -269,7 +278,7 @@ def prefill_kernel(
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, RETURN_LSE: tl.constexpr,
     KV_SAME_STRIDES: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, FP8_QKV: tl.constexpr,
-    TREE: tl.constexpr, V_T: tl.constexpr, SPLIT_KV: tl.constexpr,
+    TREE: tl.constexpr, V_T: tl.constexpr, SPLIT_KV: tl.constexpr, OFF32: tl.constexpr = False,
 ):
     kvh = tl.program_id(1)
     num_work = tl.load(num_work_ptr)
@@ -375,7 +384,7 @@ def prefill_kernel(
                     tok, row_ok, delta, row_qk_scale, row_sm_scale, soft_cap, window_left, mask_ptr, mask_bit0,
                     tree_bits, log2_theta, rcp_scale, VT, vt_base, vt_stride_h, vt_stride_d, HEAD_DIM, BLOCK_N,
                     PAGE_SIZE, PAGED, run != 1, CAUSAL, HAS_MASK,
-                    HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T)
+                    HAS_WINDOW, SOFT_CAP, ROPE, KV_SAME_STRIDES, TREE, V_T, OFF32=OFF32)
 
         if ROWSUM_MMA and FP8_QKV:  # in P's units, as the warp-specialized kernel's
             l_i = tl.max(l_i, 1) * (1.0 / P_SCALE)
@@ -590,6 +599,7 @@ def _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_p
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=vt is not None, SPLIT_KV=split is not None,
+        OFF32=PREFILL_OFF32 and fits_int32(k) and fits_int32(v),  # a replay re-checks K/V's shapes and strides
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     return args, kwargs
