@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import serveattn  # noqa: E402
 from serveattn import reference  # noqa: E402
-from serveattn.kernels import decode as decode_kernel  # noqa: E402
+from serveattn.kernels import attention as attention_kernel, decode as decode_kernel  # noqa: E402
 from helpers import make_paged_batch, rel_err, tolerance  # noqa: E402
 
 FAMILIES = ("prefill", "decode", "cascade", "append")
@@ -1549,6 +1549,12 @@ def _run_one(family: str, seed: int, device="cpu") -> Case:
         case.config["unmasked_loop"] = True
     kept_unmasked = decode_kernel.UNMASKED_LOOP
     decode_kernel.UNMASKED_LOOP = unmasked or kept_unmasked
+    # and prefill_kernel's int32 K/V offsets (attention.PREFILL_OFF32, measuring), half the cases of every family
+    off32 = random.Random(f"prefill-off32:{family}:{seed}").random() < 0.5
+    if off32:
+        case.config["prefill_off32"] = True
+    kept_off32 = attention_kernel.PREFILL_OFF32
+    attention_kernel.PREFILL_OFF32 = off32 or kept_off32
     try:
         CASES[family](case, rng, gen)
         if DEVICE.type == "cuda":
@@ -1563,6 +1569,7 @@ def _run_one(family: str, seed: int, device="cpu") -> Case:
                              f"at {os.path.basename(tb.filename)}:{tb.lineno}")
     finally:
         decode_kernel.UNMASKED_LOOP = kept_unmasked
+        attention_kernel.PREFILL_OFF32 = kept_off32
     case.seconds = time.time() - t0
     return case
 
