@@ -503,35 +503,32 @@ step_probe_k_operand() {  # fp8 K widened in the mma operand (common.K_OPERAND):
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFFSETS_32, on by default since
-  # session 37): fp8 / bf16 decode off / on in alternating processes, two rounds
-  {
-    for round in 1 2; do
-      for off32 in 0 1; do
-        echo "== SERVEATTN_KV_OFFSETS_32=$off32, round $round"
-        SERVEATTN_KV_OFFSETS_32=$off32 timeout 90 python3 scripts/probe_fp8.py --backend triton \
-          --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
-      done
+ab_decode() {  # fp8 / bf16 decode (probe_fp8.py, bandwidth route) with switch $1 at 0 and 1 in alternating
+  # processes, two rounds
+  for round in 1 2; do
+    for value in 0 1; do
+      echo "== $1=$value, round $round"
+      env "$1=$value" timeout 90 python3 scripts/probe_fp8.py --backend triton \
+        --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
     done
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-off32.txt"
+  done
+}
+
+step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFFSETS_32, on by default since
+  # session 37): fp8 / bf16 decode off / on
+  ab_decode SERVEATTN_KV_OFFSETS_32 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-off32.txt"
   return "${PIPESTATUS[0]}"
 }
 
 step_probe_unmasked() {  # the decode kernel's unmasked KV loop (SERVEATTN_DECODE_UNMASKED_LOOP): the decode GPU
-  # tests under it, then fp8 / bf16 decode 0 / 1 in alternating processes, two rounds
+  # tests under it, then fp8 / bf16 decode 0 / 1
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
       SERVEATTN_DECODE_UNMASKED_LOOP=1 timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
         tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
         2>&1 | tail -5
     fi
-    for round in 1 2; do
-      for unmasked in 0 1; do
-        echo "== SERVEATTN_DECODE_UNMASKED_LOOP=$unmasked, round $round"
-        SERVEATTN_DECODE_UNMASKED_LOOP=$unmasked timeout 90 python3 scripts/probe_fp8.py --backend triton \
-          --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
-      done
-    done
+    ab_decode SERVEATTN_DECODE_UNMASKED_LOOP
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-unmasked.txt"
   return "${PIPESTATUS[0]}"
 }

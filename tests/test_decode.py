@@ -669,31 +669,44 @@ def test_int32_kv_offsets_rule():
     assert not fits_int32(torch.empty((131073, 16, 8, 128), device="meta").transpose(1, 2))
 
 
+def _runs_under(monkeypatch, attr: str, values, b, device, **plan_kw):
+    """{value: (out, lse, wrapper)}: a bandwidth-route decode wrapper planned and run (into poisoned buffers) with
+    kernels/decode's module attribute `attr` at each value (read at a plan's first run)."""
+    from serveattn.kernels import decode as decode_kernel
+    results = {}
+    for value in values:
+        monkeypatch.setattr(decode_kernel, attr, value)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
+                                                         backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **plan_kw)
+        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(b.q, b.cache, out=out, lse=lse)
+        results[value] = out, lse, w
+    return results
+
+
+def _same_bits_and_the_reference(results, b, **opts):
+    (out0, lse0, _), (out1, lse1, _) = results.values()
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    assert not out1.isnan().any()
+    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       causal=True, **opts)
+    assert rel_err(out1, ref_out) < 1e-2
+
+
 @pytest.mark.parametrize("split", [None, 64])
 def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     """The decode kernel with int32 K/V offsets (OFF32, where the cache fits) gives the int64 kernel's bits, every
     row written, split or not, on a tuple cache with a non-contiguous view."""
-    from serveattn.kernels import decode as decode_kernel
     gen = torch.Generator().manual_seed(72)
-    kv_lens = [90, 300, 0, 33]
-    b = make_paged_batch(gen, qo_lens=[1] * 4, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
-                         page_size=16, dtype=torch.bfloat16, tuple_cache=True, non_contiguous=True, device=device)
-    results = {}
-    for off32 in (False, True):
-        monkeypatch.setattr(decode_kernel, "OFF32_ENABLED", off32)
-        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
-                                                         backend="triton")
-        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-               fixed_split_size=split, disable_split_kv=split is None)
-        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
-        w.run(b.q, b.cache, out=out, lse=lse)
+    b = make_paged_batch(gen, qo_lens=[1] * 4, kv_lens=[90, 300, 0, 33], num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.bfloat16, tuple_cache=True, non_contiguous=True,
+                         device=device)
+    results = _runs_under(monkeypatch, "OFF32_ENABLED", (False, True), b, device, fixed_split_size=split,
+                          disable_split_kv=split is None)
+    for off32, (_, _, w) in results.items():
         assert [kind[-1] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
-        results[off32] = out, lse
-    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
-    assert not results[True][0].isnan().any()
-    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
-                                       causal=True)
-    assert rel_err(results[True][0], ref_out) < 1e-2
+    _same_bits_and_the_reference(results, b)
 
 
 @pytest.mark.parametrize("q_len,opts,split", [
@@ -704,24 +717,10 @@ def test_unmasked_loop_moves_no_bit(q_len, opts, split, device, monkeypatch):
     whole run without masks, the rest (a request's last block, a chain's draft keys, a window's edge) masked; the
     result is the masked kernel's, bit for bit, every row written, the reference's. Lengths put the last block and
     the draft keys on and off block edges (blocks of 32 or 64 keys: 64, 128 and 129 keys), with an empty request."""
-    from serveattn.kernels import decode as decode_kernel
     gen = torch.Generator().manual_seed(zlib.crc32(f"unmasked-{q_len}-{opts}-{split}".encode()))
     kv_lens = [129, 64, 0, 300, 128, 5] if q_len == 1 else [129, 64, 300, 128, 5]
-    n = len(kv_lens)
-    b = make_paged_batch(gen, qo_lens=[q_len] * n, kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64,
-                         page_size=16, dtype=torch.bfloat16, device=device)
-    results = {}
-    for unmasked in (False, True):
-        monkeypatch.setattr(decode_kernel, "UNMASKED_LOOP", unmasked)
-        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
-                                                         backend="triton")
-        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-               q_len_per_req=q_len, fixed_split_size=split, disable_split_kv=split is None, **opts)
-        out, lse = nan_like(b.q.shape, b.q.dtype, device), nan_like(b.q.shape[:2], torch.float32, device)
-        w.run(b.q, b.cache, out=out, lse=lse)
-        results[unmasked] = out, lse
-    assert torch.equal(results[False][0], results[True][0]) and torch.equal(results[False][1], results[True][1])
-    assert not results[True][0].isnan().any()
-    ref_out, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
-                                       causal=True, **opts)
-    assert rel_err(results[True][0], ref_out) < 1e-2
+    b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+    results = _runs_under(monkeypatch, "UNMASKED_LOOP", (False, True), b, device, q_len_per_req=q_len,
+                          fixed_split_size=split, disable_split_kv=split is None, **opts)
+    _same_bits_and_the_reference(results, b, **opts)
