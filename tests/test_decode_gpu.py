@@ -169,3 +169,34 @@ def test_replans_of_one_wrapper_equal_fresh_wrappers(use_tensor_cores):
     torch.cuda.synchronize()
     for i, (got, want) in enumerate(zip(outs, wanted)):
         assert torch.equal(got, want), i
+
+
+@pytest.mark.parametrize("pages", [65536, 65537], ids=["fits-int32", "past-int32"])
+def test_pages_at_the_end_of_a_cache_past_2_31_elements(pages):
+    """A cache of pages x 2 x 16 x 8 x 128 bf16 (4.3 GB): at 65536 pages the K view's last element sits at 2^31 -
+    16385 (int32 offsets, kernels/attention.fits_int32), at 65537 past 2^31 (int64 offsets). Requests whose pages
+    are the cache's last ones (the largest offsets) give the reference on the bandwidth kernel (its offsets follow
+    the rule) and on the tensor-core route."""
+    from serveattn.kernels.attention import fits_int32
+    gen = torch.Generator(device="cuda").manual_seed(pages)
+    cache = torch.empty((pages, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    assert fits_int32(cache[:, 0]) == (pages == 65536)
+    used = torch.arange(pages - 64, pages, dtype=torch.int32, device="cuda")  # the last 64 pages, two requests
+    used = used[torch.randperm(64, generator=gen, device="cuda")]
+    cache[used.long()] = torch.randn((64, 2, 16, 8, 128), generator=gen, device="cuda").to(torch.bfloat16)
+    indptr = torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda")
+    last = torch.tensor([16, 5], dtype=torch.int32, device="cuda")
+    q = torch.randn((2, 32, 128), generator=gen, device="cuda").to(torch.bfloat16)
+    ref_out, ref_lse = reference.batch_paged(q, cache, torch.arange(3, dtype=torch.int32, device="cuda"), indptr,
+                                             used, last)
+    for tensor_cores in (False, True):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                         use_tensor_cores=tensor_cores, backend="triton")
+        w.plan(indptr, used, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        out, lse = nan_like(q.shape, torch.bfloat16, "cuda"), nan_like(q.shape[:2], torch.float32, "cuda")
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+        assert not out.isnan().any()
+        assert rel_err(out, ref_out) < 1e-2
+        check_lse(lse, ref_lse)
+    del cache
+    torch.cuda.empty_cache()
