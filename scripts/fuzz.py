@@ -1536,40 +1536,49 @@ def use_device(device, family: str, seed: int) -> str:
     return "host" if on_host else "device"
 
 
+# switches under measurement, each on for half the cases of its families, drawn from a generator of its own (every
+# earlier seed draws as before): (config key, module, attribute, families, draw); read at a plan's first run
+MEASURING = (
+    ("unmasked_loop", decode_kernel, "UNMASKED_LOOP", ("decode",), "unmasked:{seed}"),  # the unmasked decode loop
+    ("prefill_off32", attention_kernel, "PREFILL_OFF32", FAMILIES, "prefill-off32:{family}:{seed}"),  # int32 offsets
+)
+
+
+@contextlib.contextmanager
+def measuring_switches(case: Case, family: str, seed: int):
+    """MEASURING's draws for one case, set inside the block (recorded in its config where on), then restored."""
+    kept = [(module, attr, getattr(module, attr)) for _, module, attr, _, _ in MEASURING]
+    try:
+        for key, module, attr, families, draw in MEASURING:
+            on = family in families and random.Random(draw.format(family=family, seed=seed)).random() < 0.5
+            if on:
+                case.config[key] = True
+            setattr(module, attr, on or getattr(module, attr))
+        yield
+    finally:
+        for module, attr, value in kept:
+            setattr(module, attr, value)
+
+
 def _run_one(family: str, seed: int, device="cpu") -> Case:
     case = Case(family, seed, device=str(device), scale=SCALE)
     case.config["index_on"] = use_device(device, family, seed)
     rng = random.Random(f"{family}:{seed}")
     gen = torch.Generator().manual_seed(seed * 4 + FAMILIES.index(family))  # CPU draws: the same on any device
     t0 = time.time()
-    # the decode kernel's unmasked loop (kernels/decode.UNMASKED_LOOP, measuring), read at a plan's first run: half
-    # the decode cases, drawn from a generator of its own so every earlier seed draws as before
-    unmasked = family == "decode" and random.Random(f"unmasked:{seed}").random() < 0.5
-    if unmasked:
-        case.config["unmasked_loop"] = True
-    kept_unmasked = decode_kernel.UNMASKED_LOOP
-    decode_kernel.UNMASKED_LOOP = unmasked or kept_unmasked
-    # and prefill_kernel's int32 K/V offsets (attention.PREFILL_OFF32, measuring), half the cases of every family
-    off32 = random.Random(f"prefill-off32:{family}:{seed}").random() < 0.5
-    if off32:
-        case.config["prefill_off32"] = True
-    kept_off32 = attention_kernel.PREFILL_OFF32
-    attention_kernel.PREFILL_OFF32 = off32 or kept_off32
-    try:
-        CASES[family](case, rng, gen)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()  # an asynchronous kernel fault belongs to this case, not the next
-    except Mismatch as exc:
-        case.failures.append(str(exc))
-    except (ValueError, NotImplementedError) as exc:  # raised outside guarded(): a call the case expected to pass
-        case.failures.append(f"unexpected refusal: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    except Exception as exc:  # a crash: never the contract's answer
-        tb = traceback.extract_tb(exc.__traceback__)[-1]
-        case.failures.append(f"crash: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''} "
-                             f"at {os.path.basename(tb.filename)}:{tb.lineno}")
-    finally:
-        decode_kernel.UNMASKED_LOOP = kept_unmasked
-        attention_kernel.PREFILL_OFF32 = kept_off32
+    with measuring_switches(case, family, seed):
+        try:
+            CASES[family](case, rng, gen)
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()  # an asynchronous kernel fault belongs to this case, not the next
+        except Mismatch as exc:
+            case.failures.append(str(exc))
+        except (ValueError, NotImplementedError) as exc:  # raised outside guarded(): a call the case expected to pass
+            case.failures.append(f"unexpected refusal: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        except Exception as exc:  # a crash: never the contract's answer
+            tb = traceback.extract_tb(exc.__traceback__)[-1]
+            case.failures.append(f"crash: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''} "
+                                 f"at {os.path.basename(tb.filename)}:{tb.lineno}")
     case.seconds = time.time() - t0
     return case
 

@@ -175,26 +175,23 @@ def decode_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        # two runs of key blocks, as prefill_kernel's: unmasked (UNMASKED_LOOP: the blocks every real row sees whole,
+        # below hi and, for draft rows, below the first draft's position; the same bits, fewer instructions), then
+        # masked (the rest; all of it without UNMASKED_LOOP, or with a window)
+        SPLIT: tl.constexpr = UNMASKED and not HAS_WINDOW
         mid = lo
-        if UNMASKED and not HAS_WINDOW:
-            # blocks every real row sees whole (below hi and, for draft rows, below the first draft's position)
-            # need no mask: the same bits, fewer instructions (UNMASKED_LOOP); the rest go through the masked loop
+        if SPLIT:
             full_end = tl.minimum(hi, delta + 1) if QLEN > 1 else hi
             mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
-            for n0 in range(lo, mid, BLOCK_N):
+        for run in tl.static_range(0 if SPLIT else 1, 2):
+            for n0 in range(lo if run == 0 else mid, mid if run == 0 else hi, BLOCK_N):
                 acc, l_i, m_i = _attend(
                     acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, False, False, False, False, SOFT_CAP, False,
-                    KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32)
-        for n0 in range(mid, hi, BLOCK_N):
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32)
+                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
+                    run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
+                    OFF32=OFF32)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
