@@ -1540,6 +1540,7 @@ def use_device(device, family: str, seed: int) -> str:
 # earlier seed draws as before): (config key, module, attribute, families, draw); read at a plan's first run
 MEASURING = (
     ("unmasked_loop", decode_kernel, "UNMASKED_LOOP", ("decode",), "unmasked:{seed}"),  # the unmasked decode loop
+    ("f16_scores", decode_kernel, "F16_SCORES", ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
     ("prefill_off32", attention_kernel, "PREFILL_OFF32", FAMILIES, "prefill-off32:{family}:{seed}"),  # int32 offsets
 )
 

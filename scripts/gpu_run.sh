@@ -37,6 +37,7 @@
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-unmasked          # decode GPU tests with SERVEATTN_DECODE_UNMASKED_LOOP=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
+#   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
 #   scripts/gpu_run.sh probe-widen             # fp8 GPU tests under SERVEATTN_FAST_WIDEN=3, then fp8 decode / kv8 prefill 1 vs 3
@@ -530,6 +531,19 @@ step_probe_unmasked() {  # the decode kernel's unmasked KV loop (SERVEATTN_DECOD
     fi
     ab_decode SERVEATTN_DECODE_UNMASKED_LOOP
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-unmasked.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_f16_scores() {  # q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES): the decode
+  # GPU tests under it (the fp8 ones assert the dequantized run's bits), then fp8 / bf16 decode 0 / 1
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      SERVEATTN_DECODE_F16_SCORES=1 timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+        tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
+        2>&1 | tail -5
+    fi
+    ab_decode SERVEATTN_DECODE_F16_SCORES
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-f16-scores.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -96,6 +96,44 @@ def test_fp8_cache_equals_dequantized_cache_bitwise(route, enc, head_dim, q_dtyp
     assert not torch.equal(out8, no_k) and not torch.equal(out8, no_v)
 
 
+@pytest.mark.parametrize("enc", ENCODINGS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "chain3"])
+def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
+    """SERVEATTN_DECODE_F16_SCORES (kernels/decode.F16_SCORES, measuring): a bf16 query tile that f16 holds exactly
+    takes q.K^T in f16 over the fp8 K tile; the result stays, bit for bit, the run on the dequantized cache and the
+    run without the switch, every row written. Requests whose query holds a value f16 cannot (2^-20 with a
+    mantissa, 70000, a row of 2^-30) take the bf16 loop; chains and split requests included."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-scores-{enc}-{q_len}".encode()))
+    kv_lens = [90, 0 if q_len == 1 else 3, 200, 33, 129, 64]  # an empty request where decode allows it
+    b = _fp8_batch(gen, enc, torch.bfloat16, 64, "NHD", [q_len] * len(kv_lens), kv_lens, device)
+    q = b.q.view(len(kv_lens), q_len, 8, 64)
+    q[2, -1, 1, 5] = 1.5 * 2.0 ** -20  # below f16's precision there: inexact
+    q[3, 0, 6, 60] = 70000.0  # past f16's range
+    q[4, :, 3] = 2.0 ** -30  # far below: inexact
+    q[5, 0, 0, 0] = 2.0 ** -17  # the least f16 holds with bf16's 8 significant bits (request 5 stays exact)
+    assert not torch.equal(q.to(torch.float16).to(torch.bfloat16), q)
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(decode_kernel, "F16_SCORES", on)
+        ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype, q_len_per_req=q_len, fixed_split_size=64)
+            out = torch.full(b.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+            lse = torch.full(b.q.shape[:2], float("nan"), dtype=torch.float32, device=device)
+            w.run(b.q, cache, out=out, lse=lse, k_scale=K_SCALE, v_scale=V_SCALE)
+            results[on, kv_dtype] = out, lse
+    out, lse = results[True, enc]
+    assert not out.isnan().any() and not lse.isnan().any()
+    for other in (results[False, enc], results[True, torch.bfloat16]):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert rel_err(out, ref) < 1e-2
+
+
 def test_fp8_paged_prefill_against_reference(device):
     gen = torch.Generator().manual_seed(12)
     b = _fp8_batch(gen, torch.float8_e4m3fn, torch.bfloat16, 128, "NHD", [6, 9], [50, 90], device)

@@ -131,11 +131,13 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
-            K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False):
+            K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
     (widen_in_operand), q coming with the matching layout. OFF32: int32 K/V offsets (_kv_offsets).
+    SCORES_F16 (the decode kernel's F16_SCORES): q is a bf16 query held exactly in f16, so the fp8 K tile widens
+    to f16 for q.K^T while V still widens to bf16 (P.V as on the dequantized cache).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -249,7 +251,10 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
-    v = widen(v, dtype)
+    if SCORES_F16:
+        v = widen(v, tl.bfloat16)
+    else:
+        v = widen(v, dtype)
     if v.dtype.is_fp8():
         # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
         # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second

@@ -242,6 +242,10 @@ def to_float32(x):
     if INTERPRET:
         if x.dtype == tl.bfloat16:
             return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        # numpy's matmul sums in an order that follows its operands' memory layout, and bf16's bit path above
+        # leaves a row-major array: f16 gets one too (an operation with a splat), so tiles of equal values in
+        # either dtype give one product (decode's F16_SCORES against the bf16 loop)
+        return (x.to(tl.float32).to(tl.uint32, bitcast=True) | 0).to(tl.float32, bitcast=True)
     return x.to(tl.float32)
 
 

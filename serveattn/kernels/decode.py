@@ -101,6 +101,16 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # Read into each plan's launch memo (tests flip the attribute between plans).
 UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
 
+# SERVEATTN_DECODE_F16_SCORES=1 (measuring only, off by default; not yet GPU-measured): under an fp8 cache and a
+# bf16 query, a work item whose query tile f16 holds exactly (every value in f16's range and precision: a bf16
+# value of magnitude 2^-17 to 65504, or 0) computes q.K^T with f16 operands: the fp8 K tile widens to f16 in one
+# conversion a pair (F2FP) instead of four (through fp32 to bf16), and the products and their fp32 sums are those
+# of the bf16 product on the dequantized cache (both exact products of the same values; the tensor cores'
+# fp16 and bf16 paths sum alike: the GPU tests check bitwise). Other tiles take the bf16 loop. V and P.V are
+# unchanged (bf16). sm_90 SASS of the KV loop (16,64,2,6, int32 offsets): see docs/fp8.md. Read into each plan's
+# launch memo (tests flip the attribute between plans).
+F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -123,6 +133,34 @@ def _item(at, later, fallback):
 
 
 @triton.jit
+def _kv_blocks(acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+               tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
+               OFF32: tl.constexpr, UNMASKED: tl.constexpr, SCORES_F16: tl.constexpr):
+    """A work item's key blocks [lo, hi) folded into (acc, l_i, m_i) in two runs, as prefill_kernel's: unmasked
+    (UNMASKED_LOOP: the blocks every real row sees whole, below hi and, for draft rows, below the first draft's
+    position; the same bits, fewer instructions), then masked (the rest; all of it without UNMASKED_LOOP, or with
+    a window)."""
+    SPLIT: tl.constexpr = UNMASKED and not HAS_WINDOW
+    mid = lo
+    if SPLIT:
+        full_end = tl.minimum(hi, delta + 1) if QLEN > 1 else hi
+        mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
+    for run in tl.static_range(0 if SPLIT else 1, 2):
+        for n0 in range(lo if run == 0 else mid, mid if run == 0 else hi, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
+                run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
+                OFF32=OFF32, SCORES_F16=SCORES_F16)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def decode_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -134,7 +172,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    UNMASKED: tl.constexpr = False,
+    UNMASKED: tl.constexpr = False, F16_SCORES: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -172,26 +210,37 @@ def decode_kernel(
         if K_OPERAND and not K.dtype.element_ty.is_fp8():  # q.K^T on the fp8 tile's k-slots (common.K_OPERAND)
             q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
                                             mask=row_ok[:, None], other=0))
+        FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        # two runs of key blocks, as prefill_kernel's: unmasked (UNMASKED_LOOP: the blocks every real row sees whole,
-        # below hi and, for draft rows, below the first draft's position; the same bits, fewer instructions), then
-        # masked (the rest; all of it without UNMASKED_LOOP, or with a window)
-        SPLIT: tl.constexpr = UNMASKED and not HAS_WINDOW
-        mid = lo
-        if SPLIT:
-            full_end = tl.minimum(hi, delta + 1) if QLEN > 1 else hi
-            mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
-        for run in tl.static_range(0 if SPLIT else 1, 2):
-            for n0 in range(lo if run == 0 else mid, mid if run == 0 else hi, BLOCK_N):
-                acc, l_i, m_i = _attend(
-                    acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+        if FAST_QK:
+            # F16_SCORES: a query tile that f16 holds exactly takes q.K^T in f16 (the same products and fp32 sums
+            # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
+            # value past f16's range or below its precision, a NaN) takes the bf16 loop
+            q16 = q.to(tl.float16)
+            inexact = tl.sum(tl.sum((q16.to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0)
+            if inexact == 0:
+                acc, l_i, m_i = _kv_blocks(
+                    acc, l_i, m_i, q16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
-                    run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
-                    OFF32=OFF32)
+                    tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
+                    BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
+                    UNMASKED, True)
+            else:
+                acc, l_i, m_i = _kv_blocks(
+                    acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
+                    BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
+                    UNMASKED, False)
+        else:
+            acc, l_i, m_i = _kv_blocks(
+                acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
+                BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
+                UNMASKED, False)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -367,7 +416,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
-        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, UNMASKED=UNMASKED_LOOP,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, UNMASKED=UNMASKED_LOOP, F16_SCORES=F16_SCORES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
