@@ -123,6 +123,16 @@ def _rope_cos_sin(pos, log2_theta, rcp_scale, HALF: tl.constexpr):
 
 
 @triton.jit
+def _widen_k(k, dtype: tl.constexpr, K_IN_OPERAND: tl.constexpr):
+    """A loaded K tile in dtype for q.K^T: an fp8 tile dequantized exactly (inside the dot operand under
+    K_IN_OPERAND), a 16-bit tile untouched."""
+    if K_IN_OPERAND and k.dtype.is_fp8():
+        return widen_in_operand(k, dtype)
+    else:
+        return widen(k, dtype)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left,
@@ -131,13 +141,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
-            K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False):
+            K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False,
+            q16=None, use16=False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
     (widen_in_operand), q coming with the matching layout. OFF32: int32 K/V offsets (_kv_offsets).
-    SCORES_F16 (the decode kernel's F16_SCORES): q is a bf16 query held exactly in f16, so the fp8 K tile widens
-    to f16 for q.K^T while V still widens to bf16 (P.V as on the dequantized cache).
+    SCORES_F16 (the decode kernel's F16_SCORES, an fp8 cache under a bf16 query): where use16 (the query tile is
+    exactly q16, its f16 copy) q.K^T takes q16 and the fp8 K tile widened to f16; else as without. One loop for
+    both (a branch a block, uniform over the program): two loops would each keep their own shared buffers.
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -181,11 +193,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             k = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(K + k_off[:, None] + d[None, :])
-        if K_IN_OPERAND and k.dtype.is_fp8():
-            k = widen_in_operand(k, dtype)
+        if SCORES_F16:
+            if use16:
+                s = mma(q16, tl.trans(_widen_k(k, tl.float16, K_IN_OPERAND)), tl.zeros([q.shape[0], BLOCK_N],
+                                                                                     dtype=tl.float32))
+            else:
+                s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), tl.zeros([q.shape[0], BLOCK_N],
+                                                                                dtype=tl.float32))
         else:
-            k = widen(k, dtype)  # an fp8 cache dequantizes here, exactly; a 16-bit tile is untouched
-        s = mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+            s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf. Near 0 that form cancels
         # (~1e-7 absolute, so ~1e-7 * c on the logit: harmless for real caps, but a cap of 1e8 flattened every
@@ -251,10 +267,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
-    if SCORES_F16:
-        v = widen(v, tl.bfloat16)
-    else:
-        v = widen(v, dtype)
+    v = widen(v, dtype)
     if v.dtype.is_fp8():
         # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
         # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second

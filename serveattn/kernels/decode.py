@@ -133,7 +133,7 @@ def _item(at, later, fallback):
 
 
 @triton.jit
-def _kv_blocks(acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+def _kv_blocks(acc, l_i, m_i, q, q16, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
@@ -156,7 +156,7 @@ def _kv_blocks(acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
                 run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
-                OFF32=OFF32, SCORES_F16=SCORES_F16)
+                OFF32=OFF32, SCORES_F16=SCORES_F16, q16=q16, use16=use16)
     return acc, l_i, m_i
 
 
@@ -214,33 +214,20 @@ def decode_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        q16 = q
+        use16 = False
         if FAST_QK:
             # F16_SCORES: a query tile that f16 holds exactly takes q.K^T in f16 (the same products and fp32 sums
             # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
-            # value past f16's range or below its precision, a NaN) takes the bf16 loop
+            # value past f16's range or below its precision, a NaN) takes bf16's
             q16 = q.to(tl.float16)
-            inexact = tl.sum(tl.sum((q16.to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0)
-            if inexact == 0:
-                acc, l_i, m_i = _kv_blocks(
-                    acc, l_i, m_i, q16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
-                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
-                    BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
-                    UNMASKED, True)
-            else:
-                acc, l_i, m_i = _kv_blocks(
-                    acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
-                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
-                    BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
-                    UNMASKED, False)
-        else:
-            acc, l_i, m_i = _kv_blocks(
-                acc, l_i, m_i, q, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
-                BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
-                UNMASKED, False)
+            use16 = tl.sum(tl.sum((q16.to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
+        acc, l_i, m_i = _kv_blocks(
+            acc, l_i, m_i, q, q16, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
+            UNMASKED, FAST_QK)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
