@@ -101,14 +101,16 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # Read into each plan's launch memo (tests flip the attribute between plans).
 UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
 
-# SERVEATTN_DECODE_F16_SCORES=1 (measuring only, off by default; not yet GPU-measured): under an fp8 cache and a
-# bf16 query, a work item whose query tile f16 holds exactly (every value in f16's range and precision: a bf16
-# value of magnitude 2^-17 to 65504, or 0) computes q.K^T with f16 operands: the fp8 K tile widens to f16 in one
-# conversion a pair (F2FP) instead of four (through fp32 to bf16), and the products and their fp32 sums are those
-# of the bf16 product on the dequantized cache (both exact products of the same values; the tensor cores'
-# fp16 and bf16 paths sum alike: the GPU tests check bitwise). Other tiles take the bf16 loop. V and P.V are
-# unchanged (bf16). sm_90 SASS of the KV loop (16,64,2,6, int32 offsets): see docs/fp8.md. Read into each plan's
-# launch memo (tests flip the attribute between plans).
+# SERVEATTN_DECODE_F16_SCORES=1 (measuring only, off by default; not yet measured on an H200): under an fp8 cache and
+# a bf16 query, a work item whose query tile f16 holds exactly (every value 0 or of magnitude 2^-17 to 65504) takes
+# q.K^T with f16 operands: the fp8 K tile widens to f16 in one conversion a pair (F2FP) instead of four (through
+# fp32 to bf16), and the products and their fp32 sums are those of the bf16 product on the dequantized cache (exact
+# products of the same values; the H100 summed both alike in every reading and GPU test, session 38). Other tiles
+# take bf16's product, a branch a block in the one KV loop (two loops kept two sets of shared buffers: 3 or 2 CTAs
+# an SM, slower on the H100). V and P.V are unchanged. sm_90 SASS of the KV loop (16,64,2,6, int32 offsets): the
+# f16 branch's block ~965 instructions against 1112 (869 against 1047 with UNMASKED_LOOP); 59.9 KB of shared
+# memory a CTA against 55.8 (the f16 query's own buffer: 3 CTAs an SM at 6 stages). Read into each plan's launch
+# memo (tests flip the attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
