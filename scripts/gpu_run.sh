@@ -521,31 +521,24 @@ step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFF
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_unmasked() {  # the decode kernel's unmasked KV loop (SERVEATTN_DECODE_UNMASKED_LOOP): the decode GPU
-  # tests under it, then fp8 / bf16 decode 0 / 1
+probe_decode_switch() {  # the decode GPU tests with switch $1=1 (8 workers: 16 ran a verify test out of memory on
+  # an H100, session 38), then fp8 / bf16 decode 0 / 1 (ab_decode); the output in $OUT/$2.txt
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DECODE_UNMASKED_LOOP=1 timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
+      env "$1=1" timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kv.py \
         tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
         2>&1 | tail -5
     fi
-    ab_decode SERVEATTN_DECODE_UNMASKED_LOOP
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-unmasked.txt"
+    ab_decode "$1"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/$2.txt"
   return "${PIPESTATUS[0]}"
 }
 
-step_probe_f16_scores() {  # q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES): the decode
-  # GPU tests under it (the fp8 ones assert the dequantized run's bits), then fp8 / bf16 decode 0 / 1
-  {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DECODE_F16_SCORES=1 timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider tests/test_fp8_kv.py \
-        tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
-        2>&1 | tail -5
-    fi
-    ab_decode SERVEATTN_DECODE_F16_SCORES
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-f16-scores.txt"
-  return "${PIPESTATUS[0]}"
-}
+# the decode kernel's unmasked KV loop (SERVEATTN_DECODE_UNMASKED_LOOP)
+step_probe_unmasked() { probe_decode_switch SERVEATTN_DECODE_UNMASKED_LOOP probe-unmasked; }
+# q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES; the fp8 tests assert the dequantized
+# run's bits)
+step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-f16-scores; }
 
 step_probe_prefill_off32() {  # prefill_kernel's int32 K/V offsets (SERVEATTN_PREFILL_KV_OFFSETS_32): its GPU tests
   # under it, then the tensor-core decode route (probe_fp8 --tc) and prefill_kernel's prefill (SERVEATTN_PREFILL_WS=0)
