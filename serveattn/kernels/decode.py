@@ -107,10 +107,10 @@ UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
 # fp32 to bf16), and the products and their fp32 sums are those of the bf16 product on the dequantized cache (exact
 # products of the same values; the H100 summed both alike in every reading and GPU test, session 38). Other tiles
 # take bf16's product, a branch a block in the one KV loop (two loops kept two sets of shared buffers: 3 or 2 CTAs
-# an SM, slower on the H100). V and P.V are unchanged. sm_90 SASS of the KV loop (16,64,2,6, int32 offsets): the
-# f16 branch's block ~965 instructions against 1112 (869 against 1047 with UNMASKED_LOOP); 59.9 KB of shared
-# memory a CTA against 55.8 (the f16 query's own buffer: 3 CTAs an SM at 6 stages). Read into each plan's launch
-# memo (tests flip the attribute between plans).
+# an SM, slower on the H100). V and P.V are unchanged. sm_90 SASS of the KV loop (16,64,2,6, int32 offsets, the
+# unmasked loop): a block on the f16 branch 880 instructions, on the bf16 branch 1038, against 1047 without the
+# switch; 55.8 KB of shared memory a CTA as without (4 CTAs an SM). Read into each plan's launch memo (tests flip
+# the attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
@@ -135,7 +135,7 @@ def _item(at, later, fallback):
 
 
 @triton.jit
-def _kv_blocks(acc, l_i, m_i, q, q16, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+def _kv_blocks(m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
@@ -158,7 +158,7 @@ def _kv_blocks(acc, l_i, m_i, q, q16, use16, lo, hi, delta, K, V, kv_indices, kv
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
                 run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
-                OFF32=OFF32, SCORES_F16=SCORES_F16, q16=q16, use16=use16)
+                OFF32=OFF32, SCORES_F16=SCORES_F16, use16=use16)
     return acc, l_i, m_i
 
 
@@ -216,16 +216,14 @@ def decode_kernel(
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        q16 = q
         use16 = False
         if FAST_QK:
             # F16_SCORES: a query tile that f16 holds exactly takes q.K^T in f16 (the same products and fp32 sums
             # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
             # value past f16's range or below its precision, a NaN) takes bf16's
-            q16 = q.to(tl.float16)
-            use16 = tl.sum(tl.sum((q16.to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
+            use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
         acc, l_i, m_i = _kv_blocks(
-            acc, l_i, m_i, q, q16, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
+            m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
