@@ -343,14 +343,15 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     if kv_stride_args is None:
         sk = kv_strides(k, kv_layout, plan.paged)
         sv = kv_strides(v, kv_layout, plan.paged)
-    else:
+        off32 = OFF32_ENABLED and fits_int32(k) and fits_int32(v)
+    else:  # views of one shape and strides (the wrappers' _cache_views / _pair_views): one span for both
         sk = sv = kv_stride_args
+        off32 = OFF32_ENABLED and fits_int32(k)
     lse_arg = lse if lse is not None else out
     slb, slh = lse.stride()[:2] if lse is not None else (0, 0)
     fused = plan.merge == "fused" and bool(merge_rows)
     assert done_count is not None or not fused, "a fused fold needs the wrapper's completion counts"
     # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
-    off32 = OFF32_ENABLED and fits_int32(k) and fits_int32(v)
     kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv, off32)
     memo = plan.launch_memo.get(kind)
     if memo is None:
