@@ -193,18 +193,17 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             k = tl.load(K + k_off[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(K + k_off[:, None] + d[None, :])
+        s0 = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
         if SCORES_F16:
             if use16:
                 # the f16 copy made in the loop (a select on n0 keeps it there): its shared buffer then lives
                 # within a block, beside V's round trip; hoisted out of the loop it took 4 KB a CTA more (59.9 KB:
                 # 3 CTAs an SM instead of 4) for ~11 instructions a block less
-                s = mma(tl.where(n0 >= 0, q, 0.0).to(tl.float16), tl.trans(_widen_k(k, tl.float16, K_IN_OPERAND)),
-                        tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+                s = mma(tl.where(n0 >= 0, q, 0.0).to(tl.float16), tl.trans(_widen_k(k, tl.float16, K_IN_OPERAND)), s0)
             else:
-                s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), tl.zeros([q.shape[0], BLOCK_N],
-                                                                                dtype=tl.float32))
+                s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), s0)
         else:
-            s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32))
+            s = mma(q, tl.trans(_widen_k(k, dtype, K_IN_OPERAND)), s0)
     if SOFT_CAP:
         # c * tanh(y / c) with tanh(t) = 1 - 2 / (exp(2t) + 1): exact limits at +-inf. Near 0 that form cancels
         # (~1e-7 absolute, so ~1e-7 * c on the logit: harmless for real caps, but a cap of 1e8 flattened every
