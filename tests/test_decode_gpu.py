@@ -217,7 +217,10 @@ def test_f16_scores_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypa
                          head_dim=128, page_size=16, dtype=torch.float32, device="cuda")
     scale = 2.0 ** torch.randint(-12, 13, (batch * q_len, 32, 1), generator=gen).float()
     b.q = (b.q * scale.cuda()).to(torch.bfloat16)
-    b.q[::7, ::5, 3] = 1.5 * 2.0 ** -20  # inexact in f16: those tiles take the bf16 branch
+    b.q[::7, ::5, 3] = (1 + 2.0 ** -7) * 2.0 ** -20  # inexact in f16 (a bit at 2^-27): those tiles take the bf16 branch
+    tiles = (b.q.to(torch.float16).to(torch.bfloat16) == b.q).view(batch, q_len, 8, 4, 128).permute(0, 2, 1, 3, 4)
+    exact = tiles.flatten(2).all(2)  # per (request, KV head): the f16 branch where True
+    assert exact.any() and not exact.all()
     b.cache = (b.cache * 4).to(enc)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     results = {}

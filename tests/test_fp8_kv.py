@@ -101,18 +101,22 @@ def test_fp8_cache_equals_dequantized_cache_bitwise(route, enc, head_dim, q_dtyp
 def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     """SERVEATTN_DECODE_F16_SCORES (kernels/decode.F16_SCORES, measuring): a bf16 query tile that f16 holds exactly
     takes q.K^T in f16 over the fp8 K tile; the result stays, bit for bit, the run on the dequantized cache and the
-    run without the switch, every row written. Requests whose query holds a value f16 cannot (2^-20 with a
-    mantissa, 70000, a row of 2^-30) take the bf16 loop; chains and split requests included."""
+    run without the switch, every row written. Tiles whose query holds a value f16 cannot (a bf16 bit below f16's
+    2^-24, 70000, a row of 2^-30) take the bf16 product; chains and split requests included."""
     from serveattn.kernels import decode as decode_kernel
     gen = torch.Generator().manual_seed(zlib.crc32(f"f16-scores-{enc}-{q_len}".encode()))
     kv_lens = [90, 0 if q_len == 1 else 3, 200, 33, 129, 64]  # an empty request where decode allows it
     b = _fp8_batch(gen, enc, torch.bfloat16, 64, "NHD", [q_len] * len(kv_lens), kv_lens, device)
+    b.q = torch.where(b.q.abs() < 2.0 ** -8, 2.0 ** -8, b.q)  # no draw below f16's precision: only planted ones
     q = b.q.view(len(kv_lens), q_len, 8, 64)
-    q[2, -1, 1, 5] = 1.5 * 2.0 ** -20  # below f16's precision there: inexact
+    q[2, -1, 1, 5] = (1 + 2.0 ** -7) * 2.0 ** -20  # a bf16 bit at 2^-27, below f16's 2^-24: inexact
     q[3, 0, 6, 60] = 70000.0  # past f16's range
     q[4, :, 3] = 2.0 ** -30  # far below: inexact
-    q[5, 0, 0, 0] = 2.0 ** -17  # the least f16 holds with bf16's 8 significant bits (request 5 stays exact)
-    assert not torch.equal(q.to(torch.float16).to(torch.bfloat16), q)
+    q[5, 0, 0, 0] = 2.0 ** -17  # from 2^-17 up every bf16 value is an f16 value: request 5 stays exact
+    # (request, KV head) tiles f16 holds: both kinds present, the planted ones where planted
+    exact = (q.to(torch.float16).to(torch.bfloat16) == q).view(len(kv_lens), q_len, 2, 4, 64).permute(0, 2, 1, 3, 4)
+    exact = exact.flatten(2).all(2)
+    assert not exact[2, 0] and not exact[3, 1] and not exact[4, 0] and exact[5].all() and exact[0].all()
     results = {}
     for on in (False, True):
         monkeypatch.setattr(decode_kernel, "F16_SCORES", on)
