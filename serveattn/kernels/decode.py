@@ -187,6 +187,8 @@ def decode_kernel(
     tok = r // GROUP  # the row's draft token (0 for decode)
     head = kvh * GROUP + r % GROUP
     d = tl.arange(0, HEAD_DIM)
+    # F16_SCORES applies to an fp8 cache under a bf16 query
+    FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
     # A program's first work item is read together with the work count, not after it (the buffer holds an item
     # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
     # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
@@ -212,7 +214,6 @@ def decode_kernel(
         if K_OPERAND and not K.dtype.element_ty.is_fp8():  # q.K^T on the fp8 tile's k-slots (common.K_OPERAND)
             q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
                                             mask=row_ok[:, None], other=0))
-        FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
