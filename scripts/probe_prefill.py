@@ -32,6 +32,7 @@ def main():
                     "planned anew for each), e.g. SERVEATTN_PREFILL_WS_PERSISTENT=1;SERVEATTN_PREFILL_WS_PERSISTENT=0,"
                     " timed in turn, --rounds times each, on the same inputs in this process")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=D)
     ap.add_argument("--profile", action="store_true", help="also each kernel's device time a call (CUDA profiler)")
     ap.add_argument("--non-causal", action="store_true", help="every query sees every key (TFLOP/s counts them all)")
     ap.add_argument("--full-bf16", action="store_true", help="a bf16 cache of torch.randn values (default: the e4m3 "
@@ -49,14 +50,15 @@ def probe(args):
         batch, s = map(int, case.split("x"))
         pages = s // PS
         gen = torch.Generator(device="cuda").manual_seed(0)
-        cache8 = torch.randn(batch * pages, 2, PS, HKV, D, device="cuda", generator=gen).to(e4m3)
-        q = torch.randn(batch * s, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        d = args.head_dim
+        cache8 = torch.randn(batch * pages, 2, PS, HKV, d, device="cuda", generator=gen).to(e4m3)
+        q = torch.randn(batch * s, HQ, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * s
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         indices = torch.randperm(batch * pages, dtype=torch.int64).to(torch.int32)
         last = torch.full((batch,), PS, dtype=torch.int32)
         one = torch.ones(1, device="cuda")
-        flops = (4 if args.non_causal else 2) * batch * s * s * HQ * D
+        flops = (4 if args.non_causal else 2) * batch * s * s * HQ * d
         for kind in args.kinds.split(","):
             qd = e4m3 if kind == "fp8" else torch.bfloat16
             kd = torch.bfloat16 if kind == "bf16" else e4m3
@@ -68,7 +70,7 @@ def probe(args):
             def make_fn():  # planned anew for each --ab setting (some knobs are read at plan time)
                 w = serveattn.BatchPrefillWithPagedKVCacheWrapper(
                     torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), backend="triton")
-                w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PS, causal=not args.non_causal, q_data_type=qd,
+                w.plan(qo_indptr, indptr, indices, last, HQ, HKV, d, PS, causal=not args.non_causal, q_data_type=qd,
                        kv_data_type=kd)
                 if kind == "fp8":
                     return w, lambda: w.run(qq, cache, scale_q=one, scale_k=one, scale_v=one)
@@ -79,7 +81,7 @@ def probe(args):
                 continue
             w, fn = make_fn()
             ms = bench(fn)
-            print(f"{case} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            print(f"{case} d{d} {kind:4s} {knobs}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
             if args.profile:
                 from probe_decode_profile import kernel_times  # scripts/, beside this file
                 for name, (calls, us) in sorted(kernel_times(fn, 20).items(), key=lambda kv: -kv[1][0] * kv[1][1]):

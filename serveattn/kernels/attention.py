@@ -71,6 +71,9 @@ def fits_int32(t) -> bool:
 # tiles 16,64,4,2 (the tensor-core decode route): unmasked / masked 420 / 480 -> 324 / 380 instructions a block;
 # 64,64,4,2: 522 / 699 -> 423 / 592. Read into each launch's keywords (tests flip the attribute).
 PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "0") == "1"
+# ... only for tiles of at least this many query rows (SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS): on an H100 (session
+# 39) int32 offsets made 64-row prefill tiles 9% faster but the 16-row tensor-core decode route 3-13% slower.
+PREFILL_OFF32_MIN_ROWS = int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "0"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -619,7 +622,7 @@ def _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_p
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=vt is not None, SPLIT_KV=split is not None,
-        OFF32=PREFILL_OFF32 and fits_int32(k) and fits_int32(v),  # a replay re-checks K/V's shapes and strides
+        OFF32=PREFILL_OFF32 and cfg.block_m >= PREFILL_OFF32_MIN_ROWS and fits_int32(k) and fits_int32(v),  # a replay re-checks K/V's shapes and strides
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     return args, kwargs
