@@ -42,7 +42,8 @@ def compile_prefill(q, kv, out, head_dim, group, block_m, block_n, warps, stages
                       PAGED=paged, CAUSAL=causal, HAS_MASK=False, HAS_WINDOW=False, SOFT_CAP=False, ROPE=False,
                       RETURN_LSE=True, KV_SAME_STRIDES=True, K_SCALE_PTR=False, V_SCALE_PTR=False,
                       FP8_QKV=fp8_qkv, TREE=False, V_T=v_t, SPLIT_KV=split_kv,
-                      OFF32=os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "0") == "1")
+                      OFF32=os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "1") == "1"  # the launch's choice
+                      and block_m >= int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "64")))
     return _compile(prefill_kernel, constexprs, q, kv, out, warps, stages)
 
 

@@ -1536,25 +1536,25 @@ def use_device(device, family: str, seed: int) -> str:
     return "host" if on_host else "device"
 
 
-# switches under measurement, each on for half the cases of its families, drawn from a generator of its own (every
-# earlier seed draws as before): (config key, module, attribute, families, draw); read at a plan's first run
+# switches under measurement, each set for half the cases of its families, drawn from a generator of its own (every
+# earlier seed draws as before): (config key, module, attribute, value drawn, families, draw); read at a plan's first
+# run. prefill_off32_all: int32 K/V offsets at every prefill_kernel tile (the default takes them at 64 rows and more)
 MEASURING = (
-    ("unmasked_loop", decode_kernel, "UNMASKED_LOOP", ("decode",), "unmasked:{seed}"),  # the unmasked decode loop
-    ("f16_scores", decode_kernel, "F16_SCORES", ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
-    ("prefill_off32", attention_kernel, "PREFILL_OFF32", FAMILIES, "prefill-off32:{family}:{seed}"),  # int32 offsets
+    ("unmasked_loop", decode_kernel, "UNMASKED_LOOP", True, ("decode",), "unmasked:{seed}"),  # unmasked decode loop
+    ("f16_scores", decode_kernel, "F16_SCORES", True, ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
+    ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 
 
 @contextlib.contextmanager
 def measuring_switches(case: Case, family: str, seed: int):
-    """MEASURING's draws for one case, set inside the block (recorded in its config where on), then restored."""
-    kept = [(module, attr, getattr(module, attr)) for _, module, attr, _, _ in MEASURING]
+    """MEASURING's draws for one case, set inside the block (recorded in its config where drawn), then restored."""
+    kept = [(module, attr, getattr(module, attr)) for _, module, attr, _, _, _ in MEASURING]
     try:
-        for key, module, attr, families, draw in MEASURING:
-            on = family in families and random.Random(draw.format(family=family, seed=seed)).random() < 0.5
-            if on:
+        for key, module, attr, value, families, draw in MEASURING:
+            if family in families and random.Random(draw.format(family=family, seed=seed)).random() < 0.5:
                 case.config[key] = True
-            setattr(module, attr, on or getattr(module, attr))
+                setattr(module, attr, value)
         yield
     finally:
         for module, attr, value in kept:

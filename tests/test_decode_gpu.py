@@ -172,11 +172,11 @@ def test_replans_of_one_wrapper_equal_fresh_wrappers(use_tensor_cores):
 
 
 @pytest.mark.parametrize("pages", [65536, 65537], ids=["fits-int32", "past-int32"])
-def test_pages_at_the_end_of_a_cache_past_2_31_elements(pages):
+def test_pages_at_the_end_of_a_cache_past_2_31_elements(pages, monkeypatch):
     """A cache of pages x 2 x 16 x 8 x 128 bf16 (4.3 GB): at 65536 pages the K view's last element sits at 2^31 -
     16385 (int32 offsets, kernels/attention.fits_int32), at 65537 past 2^31 (int64 offsets). Requests whose pages
     are the cache's last ones (the largest offsets) give the reference on the bandwidth kernel (its offsets follow
-    the rule) and on the tensor-core route."""
+    the rule) and on the tensor-core route, and so does a causal prefill on both prefill kernels."""
     from serveattn.kernels.attention import fits_int32
     gen = torch.Generator(device="cuda").manual_seed(pages)
     cache = torch.empty((pages, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
@@ -197,6 +197,21 @@ def test_pages_at_the_end_of_a_cache_past_2_31_elements(pages):
         w.run(q, cache, out=out, lse=lse, return_lse=True)
         assert not out.isnan().any()
         assert rel_err(out, ref_out) < 1e-2
+        check_lse(lse, ref_lse)
+    # causal prefill of 128 and 37 queries over the same pages: prefill_kernel's 64-row tiles take int32 offsets
+    # where the cache fits (PREFILL_OFF32_MIN_ROWS), and the warp-specialized kernel
+    qo_indptr = torch.tensor([0, 128, 165], dtype=torch.int32, device="cuda")
+    q = torch.randn((165, 32, 128), generator=gen, device="cuda").to(torch.bfloat16)
+    ref_out, ref_lse = reference.batch_paged(q, cache, qo_indptr, indptr, used, last, causal=True)
+    for ws in ("0", "1"):
+        monkeypatch.setenv("SERVEATTN_PREFILL_WS", ws)
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"),
+                                                          backend="triton")
+        w.plan(qo_indptr, indptr, used, last, 32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16)
+        out, lse = nan_like(q.shape, torch.bfloat16, "cuda"), nan_like(q.shape[:2], torch.float32, "cuda")
+        w.run(q, cache, out=out, lse=lse, return_lse=True)
+        assert not out.isnan().any(), ws
+        assert rel_err(out, ref_out) < 1e-2, ws
         check_lse(lse, ref_lse)
     del cache
     torch.cuda.empty_cache()

@@ -273,8 +273,9 @@ def test_a_caller_reusing_its_mask_and_page_table_after_plan_changes_nothing(bac
 
 @pytest.mark.parametrize("kind", ["paged-causal", "paged-window", "ragged", "decode-tc", "tree"])
 def test_int32_kv_offsets_move_no_bit(kind, device, monkeypatch):
-    """SERVEATTN_PREFILL_KV_OFFSETS_32 (kernels/attention.PREFILL_OFF32, measuring): prefill_kernel with int32 K/V
-    offsets (where the cache fits, attention.fits_int32) gives the int64 kernel's bits, every row written: paged
+    """SERVEATTN_PREFILL_KV_OFFSETS_32 (kernels/attention.PREFILL_OFF32, on by default for tiles of 64 rows and
+    more): prefill_kernel with int32 K/V offsets at every tile (MIN_ROWS 0; where the cache fits,
+    attention.fits_int32) gives the int64 kernel's bits, every row written: paged
     (HND, a window), ragged, the decode wrapper's tensor-core route and a tree."""
     from serveattn.kernels import attention as attention_kernel
     gen = torch.Generator().manual_seed(zlib.crc32(f"off32-{kind}".encode()))
@@ -289,6 +290,7 @@ def test_int32_kv_offsets_move_no_bit(kind, device, monkeypatch):
     results = {}
     for off32 in (False, True):
         monkeypatch.setattr(attention_kernel, "PREFILL_OFF32", off32)
+        monkeypatch.setattr(attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0)
         if decode_like:
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
             w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,

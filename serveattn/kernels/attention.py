@@ -65,15 +65,15 @@ def fits_int32(t) -> bool:
     return _spans_int32(t.shape, t.stride())
 
 
-# SERVEATTN_PREFILL_KV_OFFSETS_32=1 (measuring only, off by default; not yet GPU-run): prefill_kernel (head dim 256,
-# the tensor-core decode route, trees, RoPE, fp8 attention's fallback) addresses K/V with int32 offsets where the
-# cache fits (fits_int32), as the decode kernel does by default since session 37. sm_90 SASS of its KV loops, bf16,
-# tiles 16,64,4,2 (the tensor-core decode route): unmasked / masked 420 / 480 -> 324 / 380 instructions a block;
-# 64,64,4,2: 522 / 699 -> 423 / 592. Read into each launch's keywords (tests flip the attribute).
-PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "0") == "1"
-# ... only for tiles of at least this many query rows (SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS): on an H100 (session
-# 39) int32 offsets made 64-row prefill tiles 9% faster but the 16-row tensor-core decode route 3-13% slower.
-PREFILL_OFF32_MIN_ROWS = int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "0"))
+# SERVEATTN_PREFILL_KV_OFFSETS_32 (on by default since session 39; =0 turns it off): prefill_kernel (head dim 256,
+# trees, RoPE, fp8 attention's fallback) addresses K/V with int32 offsets where the cache fits (fits_int32), as the
+# decode kernel does, for tiles of at least SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS (64) query rows. sm_90 SASS of
+# the KV loops, bf16, 64,64,4,2: unmasked / masked 522 / 699 -> 423 / 592 instructions a block. H100, session 39:
+# prefill 6-9% faster (head dim 128 and 256, bf16 and fp8 caches); the 16-row tensor-core decode route 3-13% slower
+# in int32 (16,64,4,2: 420 / 480 -> 324 / 380 instructions, yet slower), so it keeps int64. Read into each launch's
+# keywords (tests flip the attributes).
+PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "1") == "1"
+PREFILL_OFF32_MIN_ROWS = int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "64"))
 
 
 @functools.lru_cache(maxsize=256)
