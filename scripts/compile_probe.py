@@ -152,7 +152,7 @@ def summarise(ck):
     print("ptx: wgmma", count(r"wgmma\.mma_async", ptx), "| mma.sync", count(r"mma\.sync", ptx),
           "| cp.async", count(r"cp\.async\.", ptx), "| ldmatrix", count(r"ldmatrix", ptx),
           "| stmatrix", count(r"stmatrix", ptx), "| shared mem", ck.metadata.shared, "B",
-          "| regs", getattr(ck, "n_regs", "?"))
+          "| regs", getattr(ck, "n_regs", None) or registers(ck.asm["cubin"]))
     for m in sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync\.aligned)\.[\w.]+", ptx))):
         print("  ", m)
     sass = disassemble(ck.asm["cubin"])
@@ -160,6 +160,17 @@ def summarise(ck):
         r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M))
     print("sass:", sum(ops.values()), "instructions;", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
     return sass
+
+
+def registers(cubin: bytes) -> str:
+    """Registers a thread (cuobjdump -res-usage): a CPU compile leaves CompiledKernel.n_regs unset."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return found.group(1) if found else "?"
 
 
 def disassemble(cubin: bytes) -> str:
