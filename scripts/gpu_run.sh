@@ -17,6 +17,7 @@
 #   scripts/gpu_run.sh bench-verify          # python -m serveattn.bench verify (chains, trees; ~1 min)
 #   scripts/gpu_run.sh probe-ws-balance      # prefill's balanced persistent grid: its GPU tests, then causal crossover points off / on (~5 min)
 #   scripts/gpu_run.sh probe-prefill-order   # prefill_kernel's tiles costliest first: its GPU tests, then head-dim-256 causal points off / on (~4 min)
+#   scripts/gpu_run.sh probe-prefill-order-small  # the same under SERVEATTN_PREFILL_ORDER=cost-small (small batches only; ~5 min)
 #   scripts/gpu_run.sh probe-decode-ragged   # ragged decode batches: request order unsplit vs the defaults (longest first, ragged split), eager and graph (~3 min)
 #   scripts/gpu_run.sh probe-decode-ragged-tc  # the tensor-core decode route on ragged batches, SERVEATTN_PREFILL_RAGGED_SPLIT off / 2 (~3 min)
 #   scripts/gpu_run.sh probe-chain-tiles     # chain verify k=8 (32-row bandwidth tiles) under candidate tiles
@@ -346,6 +347,13 @@ step_probe_prefill_order() {  # prefill_kernel's eager tiles costliest first (SE
   prefill_switch_probe probe-prefill-order SERVEATTN_PREFILL_ORDER "" cost \
     "tests/test_prefill_order.py tests/test_prefill_gpu.py tests/test_batch_invariance_gpu.py" \
     "--head-dims ${ORDER_HEAD_DIMS:-256} --groups ${ORDER_GROUPS:-1,4} --prefill-batches ${ORDER_BATCHES:-8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
+}
+
+step_probe_prefill_order_small() {  # the same, costliest first only under prefill.ORDER_COST_MAX_BYTES (=cost-small):
+  # group 2 (Gemma's) added to session 36's points
+  prefill_switch_probe probe-prefill-order-small SERVEATTN_PREFILL_ORDER "" cost-small \
+    "tests/test_prefill_order.py tests/test_prefill_gpu.py" \
+    "--head-dims 256 --groups ${ORDER_GROUPS:-1,2,4} --prefill-batches ${ORDER_BATCHES:-8,16} --seq-lens ${ORDER_SEQ_LENS:-512,1024,2048}"
 }
 
 step_probe_decode_ragged_tc() {  # the tensor-core decode route on ragged batches: SERVEATTN_PREFILL_RAGGED_SPLIT off / 2

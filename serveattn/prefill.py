@@ -450,8 +450,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
-        if knobs.get("SERVEATTN_PREFILL_ORDER", "") == "cost" and chosen == "triton" and not graph_tiles and \
-                n > batch and not _warp_specialized(plan, kv_lens, False):
+        order = knobs.get("SERVEATTN_PREFILL_ORDER", "")
+        if order and chosen == "triton" and not graph_tiles and n > batch and \
+                (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
+                not _warp_specialized(plan, kv_lens, False):
             # measuring only until GPU-measured: prefill_kernel's eager grid, costliest tile of the batch first
             work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal, costliest_first=True)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
@@ -537,6 +539,20 @@ def _num_sms(device: torch.device) -> int:
 # too), never in the float workspace, which serving engines share between wrappers as scratch (SGLang's multi-step
 # draft plans several graph wrappers on one buffer before replaying them all). Its entries: a quarter of the
 # workspace's bytes where the wrapper splits (the partial states' share of old), all of them where not, at most this.
+# SERVEATTN_PREFILL_ORDER=cost-small: costliest first only where the batch's K/V bytes x group stay under this. The
+# H100's head-dim-256 causal points (session 36, docs/runs/2026-12-05T2133-h100-probe-prefill-order-compare.md), by
+# that product: 5-7% faster up to 128 MiB (group 1 to 8x2048, group 4 at 8x512), 0.97-1.01x at 256 MiB, 1.00-1.03x
+# at 512 MiB, 1.10x at 1 GiB: costliest first interleaves every request's K/V, so the L2 holds less of what runs at
+# once (a guess at why the group counts: more rows a KV head keep each request's tiles in flight longer).
+ORDER_COST_MAX_BYTES = 1 << 28
+
+
+def _order_fits(plan: "Plan", kv_lens) -> bool:
+    """Whether SERVEATTN_PREFILL_ORDER=cost-small lists the plan's tiles costliest first (ORDER_COST_MAX_BYTES)."""
+    kv_bytes = 2 * int(kv_lens.sum()) * plan.num_kv_heads * plan.head_dim * plan.kv_dtype.itemsize
+    return kv_bytes * plan.group < ORDER_COST_MAX_BYTES
+
+
 GRAPH_WORK_MAX_INTS = 1 << 21
 
 

@@ -1,6 +1,7 @@
 """SERVEATTN_PREFILL_ORDER=cost (measuring only): prefill_kernel's eager plans list every tile of the batch
-costliest first (prefill.build_work's costliest_first) instead of request by request. The order moves no bit: each
-(request, tile) is computed whole by one program."""
+costliest first (prefill.build_work's costliest_first) instead of request by request; =cost-small only where the
+batch's K/V bytes x group stay under prefill.ORDER_COST_MAX_BYTES. The order moves no bit: each (request, tile) is
+computed whole by one program."""
 import numpy as np
 import pytest
 import torch
@@ -49,3 +50,31 @@ def test_order_moves_no_bit(device, monkeypatch):
         pairs = plan_c.work.cpu().numpy().reshape(-1, 2)
         last_tile_of_3 = pairs[pairs[:, 0] == 3, 1].max()  # request 3's last tile sees all 260 keys: the dearest
         assert tuple(pairs[0]) == (3, last_tile_of_3) and not torch.equal(plan.work.cpu(), plan_c.work.cpu())
+
+
+def test_cost_small_orders_only_small_batches(monkeypatch):
+    """=cost-small: a batch of 1506 keys (x 2 KV heads x 64 x 2 bytes, K and V: 771072 bytes, x group 2) is listed
+    costliest first where that product is under prefill.ORDER_COST_MAX_BYTES and request by request where it is
+    not; the same bits either way."""
+    from serveattn import prefill
+    gen = torch.Generator().manual_seed(92)
+    qo_lens, kv_lens = [130, 0, 33, 70], [768, 5, 33, 700]  # requests 0 and 3 interleave by cost
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=16, dtype=torch.bfloat16, device="cpu")
+    product = 2 * sum(kv_lens) * 2 * 64 * 2 * 2
+
+    def planned(order: str, bound: int):
+        monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
+        monkeypatch.setattr(prefill, "ORDER_COST_MAX_BYTES", bound)
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), backend="triton")
+        w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, causal=True,
+               q_data_type=torch.bfloat16, disable_split_kv=True)
+        return w.run(b.q, b.cache), w._plan.work
+
+    default = prefill.ORDER_COST_MAX_BYTES
+    (out, plain), (_, by_cost) = planned("", default), planned("cost", default)
+    assert not torch.equal(plain, by_cost)
+    for bound, want in ((default, by_cost), (product + 1, by_cost), (product, plain)):
+        got_out, got = planned("cost-small", bound)
+        assert torch.equal(got, want), bound
+        assert torch.equal(got_out, out)
