@@ -39,6 +39,8 @@
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-unmasked          # decode GPU tests with SERVEATTN_DECODE_UNMASKED_LOOP=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
+#   scripts/gpu_run.sh probe-f16-values        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_VALUES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
+#   scripts/gpu_run.sh probe-fp8-decode-switches  # tests under F16_SCORES + F16_VALUES + UNMASKED_LOOP, then fp8 decode under each mix (~5 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-prefill-off32-rows  # the same offsets for prefill tiles only (MIN_ROWS=64) vs off and all (~5 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
@@ -548,6 +550,31 @@ step_probe_unmasked() { probe_decode_switch SERVEATTN_DECODE_UNMASKED_LOOP probe
 # q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES; the fp8 tests assert the dequantized
 # run's bits)
 step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-f16-scores; }
+
+# P.V in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_VALUES; P under 2^-29 flushed over both caches)
+step_probe_f16_values() { probe_decode_switch SERVEATTN_DECODE_F16_VALUES probe-f16-values; }
+
+step_probe_fp8_decode_switches() {  # the fp8 decode switches together: the decode GPU tests under all three on, then
+  # probe_fp8 (bitwise against the dequantized run in each) under each setting in alternating processes, two rounds
+  local all="SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1 SERVEATTN_DECODE_UNMASKED_LOOP=1" setting
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      # shellcheck disable=SC2086
+      env $all timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py \
+        tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
+    fi
+    for round in 1 2; do
+      for setting in "" "SERVEATTN_DECODE_F16_SCORES=1" "SERVEATTN_DECODE_F16_VALUES=1" \
+          "SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1" "$all"; do
+        echo "== ${setting:-defaults}, round $round"
+        # shellcheck disable=SC2086
+        env $setting timeout 90 python3 scripts/probe_fp8.py --backend triton \
+          --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-decode-switches.txt"
+  return "${PIPESTATUS[0]}"
+}
 
 step_probe_prefill_off32() {  # prefill_kernel's int32 K/V offsets (SERVEATTN_PREFILL_KV_OFFSETS_32): its GPU tests
   # under it, then the tensor-core decode route (probe_fp8 --tc) and prefill_kernel's prefill (SERVEATTN_PREFILL_WS=0)

@@ -254,3 +254,43 @@ def test_f16_scores_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypa
     assert not out.isnan().any() and not lse.isnan().any()
     for other in (results[False, enc], results[True, torch.bfloat16], results[False, torch.bfloat16]):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+
+
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "chain4"])
+def test_f16_values_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypatch):
+    """SERVEATTN_DECODE_F16_VALUES (kernels/decode.F16_VALUES) at serving sizes (64 requests to 4096 keys, GQA 32/8,
+    head dim 128, split and unsplit requests), alone and with F16_SCORES: P.V on f16 operands over the fp8 cache
+    (P x 2^15) sums as the bf16 product on the dequantized cache under the switch, bit for bit; the LSE is the
+    switch-off run's and the output within bf16's rounding of it (the flush of P under 2^-29). Queries scaled by
+    2^-4 to 2^4 a row: peaked rows, where most of P lies under 2^-29, and flat ones."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-values-real-{enc}-{q_len}".encode()))
+    batch = 64
+    kv_lens = [4096] + [int(x) for x in torch.randint(q_len, 4097, (batch - 1,), generator=gen)]
+    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=kv_lens, num_qo_heads=32, num_kv_heads=8,
+                         head_dim=128, page_size=16, dtype=torch.float32, device="cuda")
+    scale = 2.0 ** torch.randint(-4, 5, (batch * q_len, 32, 1), generator=gen).float()
+    b.q = (b.q * scale.cuda()).to(torch.bfloat16)
+    b.cache = (b.cache * 4).to(enc)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results = {}
+    for values, scores in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(decode_kernel, "F16_VALUES", values)
+        monkeypatch.setattr(decode_kernel, "F16_SCORES", scores)
+        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype, q_len_per_req=q_len)
+            out = nan_like(b.q.shape, torch.bfloat16, "cuda")
+            lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
+            w.run(b.q, cache, out=out, lse=lse, k_scale=0.37, v_scale=2.5)
+            results[values, scores, kv_dtype] = out, lse
+    torch.cuda.synchronize()
+    out, lse = results[True, False, enc]
+    assert not out.isnan().any() and not lse.isnan().any()
+    for other in (results[True, False, torch.bfloat16], results[True, True, enc], results[True, True, torch.bfloat16]):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    off_out, off_lse = results[False, False, enc]
+    assert torch.equal(lse, off_lse)
+    assert rel_err(out, off_out) < 1e-2

@@ -138,6 +138,55 @@ def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("enc", ENCODINGS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "chain3"])
+def test_f16_values_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
+    """SERVEATTN_DECODE_F16_VALUES (kernels/decode.F16_VALUES, measuring): under a bf16 query P's values below 2^-29
+    are flushed over either cache and P.V over the fp8 cache takes f16 operands (P scaled by 2^15, V widened to
+    f16); the fp8 run stays, bit for bit, the run on the dequantized cache under the switch (with F16_SCORES too),
+    every row written, its LSE the switch-off run's (the row sums keep every P), its output the reference's.
+    Request 3's KV head 0 is planted so that the flush shows in bf16: its first key takes the rows' every weight
+    but one part in 2^34 and has V = 0, the others (K = 0) carry the rest, so those rows come out ~1e-9 without
+    the switch and 0 with it (where an unflushed f16 P would have rounded as a subnormal)."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-values-{enc}-{q_len}".encode()))
+    kv_lens = [90, 0 if q_len == 1 else 3, 200, 33, 129, 64]
+    b = _fp8_batch(gen, enc, torch.bfloat16, 64, "NHD", [q_len] * len(kv_lens), kv_lens, device)
+    pages = b.kv_indices[int(b.kv_indptr[3]):int(b.kv_indptr[4])].long()
+    planted = b.cache[pages].float()  # [pages, K / V, slot, KV head, dim]
+    planted[:, 0, :, 0] = 0.0
+    planted[0, 0, 0, 0] = 8.0  # key 0: score 8 x 64 x (1 / 8) x K_SCALE = 23.7 (34.2 in log2) over the others' 0
+    planted[0, 1, 0, 0] = 0.0
+    b.cache[pages] = planted.to(enc)
+    q = b.q.view(len(kv_lens), q_len, 8, 64)
+    q[3, :, :4] = 1.0  # KV head 0's query heads
+    results = {}
+    for values, scores in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(decode_kernel, "F16_VALUES", values)
+        monkeypatch.setattr(decode_kernel, "F16_SCORES", scores)
+        ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype, q_len_per_req=q_len, fixed_split_size=64)
+            out = torch.full(b.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+            lse = torch.full(b.q.shape[:2], float("nan"), dtype=torch.float32, device=device)
+            w.run(b.q, cache, out=out, lse=lse, k_scale=K_SCALE, v_scale=V_SCALE)
+            results[values, scores, kv_dtype] = out, lse
+    out, lse = results[True, False, enc]
+    assert not out.isnan().any() and not lse.isnan().any()
+    for other in (results[True, False, torch.bfloat16], results[True, True, enc], results[True, True, torch.bfloat16]):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    off_out, off_lse = results[False, False, enc]
+    assert torch.equal(lse, off_lse)
+    rows = slice(3 * q_len, 4 * q_len)
+    assert (out[rows, :4] == 0).all() and (off_out[rows, :4] != 0).any()
+    assert off_out[rows, :4].abs().max() < 1e-6
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert rel_err(out, ref) < 1e-2 and rel_err(off_out, ref) < 1e-2
+
+
 def test_fp8_paged_prefill_against_reference(device):
     gen = torch.Generator().manual_seed(12)
     b = _fp8_batch(gen, torch.float8_e4m3fn, torch.bfloat16, 128, "NHD", [6, 9], [50, 90], device)

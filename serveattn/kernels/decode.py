@@ -17,7 +17,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from .attention import LOG2E, _attend, _device_scales, _finish, _present, fits_int32, kv_scale_args, kv_strides
+from .attention import (LOG2E, PV_F16_SCALE, _attend, _device_scales, _finish, _present, fits_int32, kv_scale_args,
+                        kv_strides)
 from .common import K_OPERAND, LAUNCH_OPTIONS, soft_cap_mode, to_dtype, with_8bit_origin
 from .launch import Pack
 from .sizes import next_pow2
@@ -113,6 +114,14 @@ UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
 # the attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
+# SERVEATTN_DECODE_F16_VALUES=1 (measuring only, off by default; not GPU-run): under a bf16 query, P's values below
+# 2^-29 of their row's largest are flushed to 0 (attention.PV_F16_MIN, over either cache, so the fp8 run stays the
+# run on the dequantized cache), and over an fp8 cache P.V takes f16 operands: P (bf16-rounded as without) scaled by
+# 2^15, exact in f16, and the fp8 V tile widened to f16 in one conversion a pair instead of four; the products and
+# fp32 sums are 2^15 times the bf16 product's (exact products of the same values; the H100 summed f16 and bf16
+# operands alike for q.K^T, session 38), divided out with the output scale. Read into each plan's launch memo.
+F16_VALUES = os.environ.get("SERVEATTN_DECODE_F16_VALUES", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -140,7 +149,7 @@ def _kv_blocks(m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base
                tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
                HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
-               OFF32: tl.constexpr, UNMASKED: tl.constexpr, SCORES_F16: tl.constexpr):
+               OFF32: tl.constexpr, UNMASKED: tl.constexpr, SCORES_F16: tl.constexpr, PV_F16: tl.constexpr):
     """A work item's key blocks [lo, hi) folded into (acc, l_i, m_i) in two runs, as prefill_kernel's: unmasked
     (UNMASKED_LOOP: the blocks every real row sees whole, below hi and, for draft rows, below the first draft's
     position; the same bits, fewer instructions), then masked (the rest; all of it without UNMASKED_LOOP, or with
@@ -158,7 +167,7 @@ def _kv_blocks(m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
                 run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
-                OFF32=OFF32, SCORES_F16=SCORES_F16, use16=use16)
+                OFF32=OFF32, SCORES_F16=SCORES_F16, use16=use16, PV_F16=PV_F16)
     return acc, l_i, m_i
 
 
@@ -174,7 +183,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    UNMASKED: tl.constexpr = False, F16_SCORES: tl.constexpr = False,
+    UNMASKED: tl.constexpr = False, F16_SCORES: tl.constexpr = False, F16_VALUES: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -189,6 +198,11 @@ def decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     # F16_SCORES applies to an fp8 cache under a bf16 query
     FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
+    # F16_VALUES: under a bf16 query P's tiny values flushed over either cache, P.V in f16 over an fp8 one, whose
+    # accumulator then holds 2^15 times the 16-bit cache's: the output scale takes the 2^-15 (exact)
+    FAST_PV: tl.constexpr = F16_VALUES and Q.dtype.element_ty == tl.bfloat16
+    if FAST_PV and V.dtype.element_ty.is_fp8():
+        v_scale = v_scale * (1.0 / PV_F16_SCALE)
     # A program's first work item is read together with the work count, not after it (the buffer holds an item
     # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
     # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
@@ -228,7 +242,7 @@ def decode_kernel(
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
             BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
-            UNMASKED, FAST_QK)
+            UNMASKED, FAST_QK, FAST_PV)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -406,6 +420,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, UNMASKED=UNMASKED_LOOP, F16_SCORES=F16_SCORES,
+        F16_VALUES=F16_VALUES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
