@@ -131,8 +131,9 @@ def script_module(name: str):
 
 def compile_for_sm90(dump, *args: str, **env: str) -> None:
     """scripts/compile_probe.py with args (its ttgir/ptx/llir/sass written into the folder dump) in a fresh process:
-    the suite runs under TRITON_INTERPRET=1, which neither Gluon nor a real compile takes; env: switches to set."""
-    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    the suite runs under TRITON_INTERPRET=1, which neither Gluon nor a real compile takes; env: switches to set (the
+    caller's SERVEATTN_ switches are dropped: a test compiles the defaults and what it names, whatever a probe set)."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("SERVEATTN_")}
     environ.update(PYTHONPATH=ROOT, **env)
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "compile_probe.py"), *args, "--dump", str(dump)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=600)

@@ -312,7 +312,7 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
 def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
     out = tmp_path / f"{kv}-k{k_operand}"
     compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6",
-                     SERVEATTN_DECODE_K_OPERAND=k_operand, SERVEATTN_DECODE_F16_SCORES="0")  # one q.K^T product
+                     SERVEATTN_DECODE_K_OPERAND=k_operand)
     return (out / "decode.ttgir").read_text(), (out / "decode.ptx").read_text()
 
 
