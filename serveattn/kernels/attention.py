@@ -640,7 +640,8 @@ def _kernel_call(q, k, v, out, lse, plan, sk, sv, qk_scale, ks, vs, ks_ptr, vs_p
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), ROPE=plan.rope,
         RETURN_LSE=lse is not None, KV_SAME_STRIDES=sk == sv, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev,
         FP8_QKV=fp8, TREE=plan.tree_mask is not None, V_T=vt is not None, SPLIT_KV=split is not None,
-        OFF32=PREFILL_OFF32 and cfg.block_m >= PREFILL_OFF32_MIN_ROWS and fits_int32(k) and fits_int32(v),  # a replay re-checks K/V's shapes and strides
+        # a replay re-checks K/V's shapes and strides
+        OFF32=PREFILL_OFF32 and cfg.block_m >= PREFILL_OFF32_MIN_ROWS and fits_int32(k) and fits_int32(v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     return args, kwargs
