@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+import serveattn
+
 
 @dataclass
 class PagedBatch:
@@ -115,6 +117,46 @@ def run_under_switch(monkeypatch, name: str, values, planned, q, cache, device):
         w.run(q, cache, out=out, lse=lse, return_lse=True)
         results[value] = out, lse, w
     return results
+
+
+def fp8_decode_runs(monkeypatch, module, settings, b, enc, heads, head_dim, q_len, device, plan_kw=None,
+                    k_scale=0.37, v_scale=2.5) -> dict:
+    """{(setting index, kv dtype): (out, lse)}: under each setting (a dict of module attributes to set, e.g.
+    decode's measuring switches), the batch b's fp8 cache (encoding enc) and its bf16 copy, each planned by a fresh
+    decode wrapper (heads: (query heads, KV heads), page size 16, bf16 query, q_len rows a request) and run into
+    poisoned out and lse: the fp8 contract's pairs, side by side."""
+    ws = torch.empty(256 << 20 if device == "cuda" else 1 << 22, dtype=torch.uint8, device=device)
+    results = {}
+    for i, setting in enumerate(settings):
+        for name, value in setting.items():
+            monkeypatch.setattr(module, name, value)
+        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, *heads, head_dim, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype, q_len_per_req=q_len, **(plan_kw or {}))
+            out, lse = nan_like(b.q.shape, torch.bfloat16, device), nan_like(b.q.shape[:2], torch.float32, device)
+            w.run(b.q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+            results[i, kv_dtype] = out, lse
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return results
+
+
+# decode's F16_VALUES off, on, on with F16_SCORES (fp8_decode_runs' settings for the F16_VALUES tests)
+F16_VALUES_SETTINGS = [dict(F16_VALUES=False, F16_SCORES=False), dict(F16_VALUES=True, F16_SCORES=False),
+                       dict(F16_VALUES=True, F16_SCORES=True)]
+
+
+def f16_values_outputs(results: dict, enc) -> tuple:
+    """(switch-on output, switch-off output) of fp8_decode_runs under F16_VALUES_SETTINGS, once checked: every
+    element written; the fp8 run bitwise its dequantized run under the switch, with F16_SCORES too; its LSE the
+    switch-off run's (the row sums keep every P)."""
+    out, lse = results[1, enc]
+    assert not out.isnan().any() and not lse.isnan().any()
+    for other in (results[1, torch.bfloat16], results[2, enc], results[2, torch.bfloat16]):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    assert torch.equal(lse, results[0, enc][1])
+    return out, results[0, enc][0]
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,8 @@ import torch
 import serveattn
 from serveattn import decode as decode_mod
 from serveattn import reference
-from helpers import check_lse, make_paged_batch, nan_like, rel_err
+from helpers import (F16_VALUES_SETTINGS, check_lse, f16_values_outputs, fp8_decode_runs, make_paged_batch, nan_like,
+                     rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -217,6 +218,19 @@ def test_pages_at_the_end_of_a_cache_past_2_31_elements(pages, monkeypatch):
     torch.cuda.empty_cache()
 
 
+def _serving_batch(seed: str, q_len: int, spread: int):
+    """64 requests of q_len bf16 rows, one of 4096 keys and the rest random up to it (split and unsplit), GQA 32/8,
+    head dim 128, pages of 16 (a float32 cache, to be cast); each row's query scaled by 2^-spread..2^spread."""
+    gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+    batch = 64
+    kv_lens = [4096] + [int(x) for x in torch.randint(q_len, 4097, (batch - 1,), generator=gen)]
+    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=kv_lens, num_qo_heads=32, num_kv_heads=8,
+                         head_dim=128, page_size=16, dtype=torch.float32, device="cuda")
+    scale = 2.0 ** torch.randint(-spread, spread + 1, (batch * q_len, 32, 1), generator=gen).float()
+    b.q = (b.q * scale.cuda()).to(torch.bfloat16)
+    return b
+
+
 @pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "chain4"])
 def test_f16_scores_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypatch):
@@ -225,34 +239,18 @@ def test_f16_scores_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypa
     dequantized cache, bit for bit, and so does the switch-off run; queries spread over f16's range (x 2^-12 to
     x 2^12) with a few inexact tiles (a value below f16's precision) for the bf16 branch."""
     from serveattn.kernels import decode as decode_kernel
-    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-real-{enc}-{q_len}".encode()))
+    b = _serving_batch(f"f16-real-{enc}-{q_len}", q_len, 12)
     batch = 64
-    kv_lens = [4096] + [int(x) for x in torch.randint(q_len, 4097, (batch - 1,), generator=gen)]
-    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=kv_lens, num_qo_heads=32, num_kv_heads=8,
-                         head_dim=128, page_size=16, dtype=torch.float32, device="cuda")
-    scale = 2.0 ** torch.randint(-12, 13, (batch * q_len, 32, 1), generator=gen).float()
-    b.q = (b.q * scale.cuda()).to(torch.bfloat16)
     b.q[::7, ::5, 3] = (1 + 2.0 ** -7) * 2.0 ** -20  # inexact in f16 (a bit at 2^-27): those tiles take the bf16 branch
     tiles = (b.q.to(torch.float16).to(torch.bfloat16) == b.q).view(batch, q_len, 8, 4, 128).permute(0, 2, 1, 3, 4)
     exact = tiles.flatten(2).all(2)  # per (request, KV head): the f16 branch where True
     assert exact.any() and not exact.all()
     b.cache = (b.cache * 4).to(enc)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(decode_kernel, "F16_SCORES", on)
-        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
-            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
-            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16,
-                   kv_data_type=kv_dtype, q_len_per_req=q_len)
-            out = nan_like(b.q.shape, torch.bfloat16, "cuda")
-            lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
-            w.run(b.q, cache, out=out, lse=lse, k_scale=0.37, v_scale=2.5)
-            results[on, kv_dtype] = out, lse
-    torch.cuda.synchronize()
-    out, lse = results[True, enc]
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"F16_SCORES": False}, {"F16_SCORES": True}], b, enc,
+                              (32, 8), 128, q_len, "cuda")
+    out, lse = results[1, enc]
     assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[False, enc], results[True, torch.bfloat16], results[False, torch.bfloat16]):
+    for other in (results[0, enc], results[1, torch.bfloat16], results[0, torch.bfloat16]):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
 
 
@@ -265,32 +263,8 @@ def test_f16_values_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypa
     switch-off run's and the output within bf16's rounding of it (the flush of P under 2^-29). Queries scaled by
     2^-4 to 2^4 a row: peaked rows, where most of P lies under 2^-29, and flat ones."""
     from serveattn.kernels import decode as decode_kernel
-    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-values-real-{enc}-{q_len}".encode()))
-    batch = 64
-    kv_lens = [4096] + [int(x) for x in torch.randint(q_len, 4097, (batch - 1,), generator=gen)]
-    b = make_paged_batch(gen, qo_lens=[q_len] * batch, kv_lens=kv_lens, num_qo_heads=32, num_kv_heads=8,
-                         head_dim=128, page_size=16, dtype=torch.float32, device="cuda")
-    scale = 2.0 ** torch.randint(-4, 5, (batch * q_len, 32, 1), generator=gen).float()
-    b.q = (b.q * scale.cuda()).to(torch.bfloat16)
+    b = _serving_batch(f"f16-values-real-{enc}-{q_len}", q_len, 4)
     b.cache = (b.cache * 4).to(enc)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    results = {}
-    for values, scores in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(decode_kernel, "F16_VALUES", values)
-        monkeypatch.setattr(decode_kernel, "F16_SCORES", scores)
-        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
-            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
-            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, q_data_type=torch.bfloat16,
-                   kv_data_type=kv_dtype, q_len_per_req=q_len)
-            out = nan_like(b.q.shape, torch.bfloat16, "cuda")
-            lse = nan_like(b.q.shape[:2], torch.float32, "cuda")
-            w.run(b.q, cache, out=out, lse=lse, k_scale=0.37, v_scale=2.5)
-            results[values, scores, kv_dtype] = out, lse
-    torch.cuda.synchronize()
-    out, lse = results[True, False, enc]
-    assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[True, False, torch.bfloat16], results[True, True, enc], results[True, True, torch.bfloat16]):
-        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
-    off_out, off_lse = results[False, False, enc]
-    assert torch.equal(lse, off_lse)
+    results = fp8_decode_runs(monkeypatch, decode_kernel, F16_VALUES_SETTINGS, b, enc, (32, 8), 128, q_len, "cuda")
+    out, off_out = f16_values_outputs(results, enc)
     assert rel_err(out, off_out) < 1e-2

@@ -11,7 +11,8 @@ import triton.language as tl
 import serveattn
 from serveattn.kernels.common import widen
 from serveattn import reference
-from helpers import compile_for_sm90, make_paged_batch, rel_err
+from helpers import (F16_VALUES_SETTINGS, compile_for_sm90, f16_values_outputs, fp8_decode_runs, make_paged_batch,
+                     rel_err)
 
 ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
@@ -117,21 +118,11 @@ def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     exact = (q.to(torch.float16).to(torch.bfloat16) == q).view(len(kv_lens), q_len, 2, 4, 64).permute(0, 2, 1, 3, 4)
     exact = exact.flatten(2).all(2)
     assert not exact[2, 0] and not exact[3, 1] and not exact[4, 0] and exact[5].all() and exact[0].all()
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(decode_kernel, "F16_SCORES", on)
-        ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
-        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
-            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
-            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-                   kv_data_type=kv_dtype, q_len_per_req=q_len, fixed_split_size=64)
-            out = torch.full(b.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
-            lse = torch.full(b.q.shape[:2], float("nan"), dtype=torch.float32, device=device)
-            w.run(b.q, cache, out=out, lse=lse, k_scale=K_SCALE, v_scale=V_SCALE)
-            results[on, kv_dtype] = out, lse
-    out, lse = results[True, enc]
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"F16_SCORES": False}, {"F16_SCORES": True}], b, enc,
+                              (8, 2), 64, q_len, device, dict(fixed_split_size=64), K_SCALE, V_SCALE)
+    out, lse = results[1, enc]
     assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[False, enc], results[True, torch.bfloat16]):
+    for other in (results[0, enc], results[1, torch.bfloat16]):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
@@ -160,25 +151,9 @@ def test_f16_values_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     b.cache[pages] = planted.to(enc)
     q = b.q.view(len(kv_lens), q_len, 8, 64)
     q[3, :, :4] = 1.0  # KV head 0's query heads
-    results = {}
-    for values, scores in ((False, False), (True, False), (True, True)):
-        monkeypatch.setattr(decode_kernel, "F16_VALUES", values)
-        monkeypatch.setattr(decode_kernel, "F16_SCORES", scores)
-        ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
-        for cache, kv_dtype in ((b.cache, enc), (b.cache.to(torch.bfloat16), torch.bfloat16)):
-            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
-            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-                   kv_data_type=kv_dtype, q_len_per_req=q_len, fixed_split_size=64)
-            out = torch.full(b.q.shape, float("nan"), dtype=torch.bfloat16, device=device)
-            lse = torch.full(b.q.shape[:2], float("nan"), dtype=torch.float32, device=device)
-            w.run(b.q, cache, out=out, lse=lse, k_scale=K_SCALE, v_scale=V_SCALE)
-            results[values, scores, kv_dtype] = out, lse
-    out, lse = results[True, False, enc]
-    assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[True, False, torch.bfloat16], results[True, True, enc], results[True, True, torch.bfloat16]):
-        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
-    off_out, off_lse = results[False, False, enc]
-    assert torch.equal(lse, off_lse)
+    results = fp8_decode_runs(monkeypatch, decode_kernel, F16_VALUES_SETTINGS, b, enc, (8, 2), 64, q_len, device,
+                              dict(fixed_split_size=64), K_SCALE, V_SCALE)
+    out, off_out = f16_values_outputs(results, enc)
     rows = slice(3 * q_len, 4 * q_len)
     assert (out[rows, :4] == 0).all() and (off_out[rows, :4] != 0).any()
     assert off_out[rows, :4].abs().max() < 1e-6
