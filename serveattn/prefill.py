@@ -535,10 +535,6 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-# Under CUDA graphs a wrapper's work list lives in a buffer of its own (FlashInfer's int workspace is 8 MB a wrapper
-# too), never in the float workspace, which serving engines share between wrappers as scratch (SGLang's multi-step
-# draft plans several graph wrappers on one buffer before replaying them all). Its entries: a quarter of the
-# workspace's bytes where the wrapper splits (the partial states' share of old), all of them where not, at most this.
 # SERVEATTN_PREFILL_ORDER=cost-small: costliest first only where the batch's K/V bytes x group stay under this. The
 # H100's head-dim-256 causal points (session 36, docs/runs/2026-12-05T2133-h100-probe-prefill-order-compare.md), by
 # that product: 5-7% faster up to 128 MiB (group 1 to 8x2048, group 4 at 8x512), 0.97-1.01x at 256 MiB, 1.00-1.03x
@@ -553,6 +549,10 @@ def _order_fits(plan: "Plan", kv_lens) -> bool:
     return kv_bytes * plan.group < ORDER_COST_MAX_BYTES
 
 
+# Under CUDA graphs a wrapper's work list lives in a buffer of its own (FlashInfer's int workspace is 8 MB a wrapper
+# too), never in the float workspace, which serving engines share between wrappers as scratch (SGLang's multi-step
+# draft plans several graph wrappers on one buffer before replaying them all). Its entries: a quarter of the
+# workspace's bytes where the wrapper splits (the partial states' share of old), all of them where not, at most this.
 GRAPH_WORK_MAX_INTS = 1 << 21
 
 
