@@ -581,7 +581,8 @@ step_probe_prefill_off32() {  # prefill_kernel's int32 K/V offsets (SERVEATTN_PR
   # off / on in alternating processes, two rounds
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      # 8 workers (16 failed 15 tests on an H100, session 39, reasons unseen); the whole log beside
+      # 8 workers (16 ran an H100 out of memory, session 39: 15 failed, all passed at 8); the whole log beside. Its
+      # =1 now takes the default MIN_ROWS (64): probe-prefill-off32-rows sets both
       SERVEATTN_PREFILL_KV_OFFSETS_32=1 timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short \
         tests/test_prefill_gpu.py tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_fp8_kv.py \
         tests/test_tree_verify.py tests/test_prefill.py > "$OUT/probe-prefill-off32-tests.txt" 2>&1
