@@ -284,11 +284,30 @@ def test_decode_widening_compiles_to_the_fma_pipe(kv, tmp_path):
     assert ops(default, "F2F") == 0
 
 
-def _decode_ir(tmp_path, kv: str, k_operand: str) -> tuple:
-    out = tmp_path / f"{kv}-k{k_operand}"
+def _decode_ir(tmp_path, kv: str, k_operand: str, **switches: str) -> tuple:
+    out = tmp_path / f"{kv}-k{k_operand}-{'-'.join(switches)}"
     compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", "16,64,2,6",
-                     SERVEATTN_DECODE_K_OPERAND=k_operand)
+                     SERVEATTN_DECODE_K_OPERAND=k_operand, **switches)
     return (out / "decode.ttgir").read_text(), (out / "decode.ptx").read_text()
+
+
+def _dots(ttgir: str) -> list:
+    """The tt.dot lines of a ttgir dump, SSA names and locations dropped: operand types and layouts."""
+    return [re.sub(r"%[\w]+|loc\([^)]*\)", "", line).strip() for line in ttgir.splitlines() if "tt.dot " in line]
+
+
+def test_f16_values_takes_the_bf16_product_layouts(tmp_path):
+    """SERVEATTN_DECODE_F16_VALUES=1, sm_90 on this CPU: the fp8 cache's P.V is the 16-bit cache's product with f16
+    operands in place of bf16, operand for operand (the same mma parent and kWidth, the same m16n8k16 mma.sync count),
+    so each f32 sum meets the same products in the same k-slots (2^15 times larger); q.K^T untouched."""
+    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1", SERVEATTN_DECODE_F16_VALUES="1")
+    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1", SERVEATTN_DECODE_F16_VALUES="1")
+    (qk8, pv8), (qk16, pv16) = _dots(fp8), _dots(bf16)
+    assert qk8 == qk16 and "xf16" not in qk8
+    assert pv8 == pv16.replace("xbf16", "xf16") and pv8 != pv16
+    count = lambda ptx, ab: ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32")  # noqa: E731
+    assert count(fp8_ptx, "f16") + count(fp8_ptx, "bf16") == count(bf16_ptx, "bf16") > 0
+    assert count(fp8_ptx, "f16") == count(fp8_ptx, "bf16")  # P.V's half
 
 
 def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
