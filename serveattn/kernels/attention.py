@@ -69,8 +69,9 @@ def fits_int32(t) -> bool:
 # trees, RoPE, fp8 attention's fallback) addresses K/V with int32 offsets where the cache fits (fits_int32), as the
 # decode kernel does, for tiles of at least SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS (64) query rows. sm_90 SASS of
 # the KV loops, bf16, 64,64,4,2: unmasked / masked 522 / 699 -> 423 / 592 instructions a block. H100, session 39:
-# prefill 6-9% faster (head dim 128 and 256, bf16 and fp8 caches); the 16-row tensor-core decode route 3-13% slower
-# in int32 (16,64,4,2: 420 / 480 -> 324 / 380 instructions, yet slower), so it keeps int64. Read into each launch's
+# prefill 6-9% faster (head dim 128 and 256, bf16 and fp8 caches); the tensor-core decode route's 16-row tiles
+# (16,128,4,2) 3% (bf16) and 13% (fp8) slower in int32 at 64x8192, even at 8x4096, though their loop is shorter (fp8
+# 951 / 1189 -> 911 / 1064 instructions) and takes fewer registers, so they keep int64. Read into each launch's
 # keywords (tests flip the attributes).
 PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "1") == "1"
 PREFILL_OFF32_MIN_ROWS = int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "64"))
