@@ -230,13 +230,13 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     if num_items == 0 or (full and (ragged <= 0 or num_items > len(kv_lens))) or \
             knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
-    max_kv = int(np.maximum.reduce(kv_lens))
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
-        chunk = ragged_chunk(kv_lens, max_kv, num_kv_heads, RAGGED_PROGRAMS_PER_SM * num_sms, tiles.block_n, ragged,
-                             _ragged_limits)
+        chunk = ragged_chunk(kv_lens, int(np.maximum.reduce(kv_lens)), num_kv_heads, RAGGED_PROGRAMS_PER_SM * num_sms,
+                             tiles.block_n, ragged, _ragged_limits)
         return None if chunk is None or (warp_specialized is not None and warp_specialized()) else chunk
     if not forced and warp_specialized is not None and warp_specialized():
         return None
+    max_kv = int(np.maximum.reduce(kv_lens))
     if forced:
         chunk = int(forced)
     else:
