@@ -9,7 +9,7 @@ import torch
 import serveattn
 from serveattn import reference
 from serveattn.prefill import build_work
-from helpers import check_lse, make_paged_batch, rel_err, run_under_switch, tolerance
+from helpers import check_lse, make_paged_batch, nan_like, rel_err, run_under_switch, tolerance
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -69,7 +69,10 @@ def test_cost_small_orders_only_small_batches(monkeypatch):
         w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), backend="triton")
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, causal=True,
                q_data_type=torch.bfloat16, disable_split_kv=True)
-        return w.run(b.q, b.cache), w._plan.work
+        out = nan_like(b.q.shape, b.q.dtype, "cpu")
+        w.run(b.q, b.cache, out=out)
+        assert not out.isnan().any()
+        return out, w._plan.work
 
     default = prefill.ORDER_COST_MAX_BYTES
     (out, plain), (_, by_cost) = planned("", default), planned("cost", default)
