@@ -41,6 +41,7 @@
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-f16-values        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_VALUES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-fp8-decode-switches  # tests under F16_SCORES + F16_VALUES + UNMASKED_LOOP, then fp8 decode under each mix (~5 min)
+#   scripts/gpu_run.sh probe-fp8-hot-l2       # the same switches' fp8 decode with the cache in the L2 (an H100 made compute-bound; ~2 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-prefill-off32-rows  # the same offsets for prefill tiles only (MIN_ROWS=64) vs off and all (~5 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
@@ -573,6 +574,25 @@ step_probe_fp8_decode_switches() {  # the fp8 decode switches together: the deco
       done
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-decode-switches.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_fp8_hot_l2() {  # the fp8 decode switches where the cache fits the L2 (probe_fp8 --pool-pages: the real
+  # shapes' pages drawn from a 256-page pool; PROBE_ARGS="--hot-l2 --cases 32x512" for small caches run back to
+  # back): HBM no longer bounds the kernel, so an H100 shows what the H200's compute-bound fp8 decode would gain
+  # from each; alternating processes, two rounds
+  local all="SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1 SERVEATTN_DECODE_UNMASKED_LOOP=1" setting
+  {
+    for round in 1 2; do
+      for setting in "" "SERVEATTN_DECODE_F16_SCORES=1" "SERVEATTN_DECODE_F16_VALUES=1" \
+          "SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1" "$all"; do
+        echo "== ${setting:-defaults}, round $round"
+        # shellcheck disable=SC2086
+        env $setting timeout 90 python3 scripts/probe_fp8.py --backend triton \
+          ${PROBE_ARGS:---pool-pages 256 --cases 64x8192,128x4096,8x4096}
+      done
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-hot-l2.txt"
   return "${PIPESTATUS[0]}"
 }
 

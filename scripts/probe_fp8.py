@@ -15,6 +15,13 @@ dequantized cache under the same tiles.
 --fixed-split sweeps plan(fixed_split_size=...) for both plans ("none": the plan's own split), inside each tile
 configuration: at large batches (64x8192: 512 programs, ~4 a SM) it gives the fp8 loop more, shorter programs to
 hide its widening's latency behind (both dtypes get the same split, so the bits still agree).
+
+--hot-l2 times back-to-back calls with no L2 flush between them (do_bench flushes before each): with a cache
+that fits the L2 (an H100's 50 MB: e4m3 at 32x512 is 33.5 MB) the fp8 kernel is no longer bound by HBM, so an
+H100 shows what an instruction-count change does where the kernel is compute-bound (as fp8 decode is on the
+H200's faster memory). --pool-pages N does the same at the real shapes: every request's pages are drawn (with
+repeats) from a pool of N pages (256: 8 MB of e4m3, 16 MB of bf16), so 64x8192 keeps its programs and loop lengths
+but reads the L2.
 """
 import argparse
 import os
@@ -23,7 +30,8 @@ import torch
 import triton.testing
 
 import serveattn
-import tile_sweep  # scripts/, beside this file
+import tile_sweep
+from serveattn.bench import common  # scripts/, beside this file
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -40,6 +48,9 @@ def main():
     ap.add_argument("--q-dtype", default="bfloat16", choices=("bfloat16", "float16"),
                     help="the query's dtype, and the 16-bit cache's (e4m3 widens to fp16 in one cvt a pair, to bf16 "
                          "by the exact integer path)")
+    ap.add_argument("--pool-pages", type=int, default=0,
+                    help="draw every request's pages from this many (0: each page its own); see above")
+    ap.add_argument("--hot-l2", action="store_true", help="time back-to-back calls, no L2 flush between them")
     args = ap.parse_args()
     args.q_dtype = getattr(torch, args.q_dtype)
     args.seen = {}  # (case, dtype, block_n) -> first output: do warps and stages change the bits?
@@ -60,34 +71,58 @@ def probe_split(args, knobs, fixed_split):
         batch, kv = map(int, case.split("x"))
         pages = kv // PS
         gen = torch.Generator(device="cuda").manual_seed(0)
-        wide = torch.randn(batch * pages, 2, PS, args.kv_heads, D, device="cuda", generator=gen) * 2
+        num_pages = args.pool_pages or batch * pages
+        wide = torch.randn(num_pages, 2, PS, args.kv_heads, D, device="cuda", generator=gen) * 2
         wide = wide.to(torch.float8_e4m3fn)
         cache = {"fp8": wide, "16-bit": wide.to(args.q_dtype)}  # the 16-bit copy in the query's dtype
         indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
         # seeded, so that "same bits as the first tiles" compares runs on the same inputs
-        indices = torch.randperm(batch * pages, dtype=torch.int64, generator=torch.Generator().manual_seed(1))
+        cpu_gen = torch.Generator().manual_seed(1)
+        indices = (torch.randint(num_pages, (batch * pages,), generator=cpu_gen) if args.pool_pages else
+                   torch.randperm(batch * pages, dtype=torch.int64, generator=cpu_gen))
         indices = indices.to(torch.int32)
         last = torch.full((batch,), PS, dtype=torch.int32)
         q = torch.randn(batch, HQ, D, device="cuda", dtype=args.q_dtype, generator=gen)
         ms, outs = {}, {}
         for name, c in cache.items():
+            i32 = dict(dtype=torch.int32, device="cuda")
+            graph_kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=torch.empty(batch + 1, **i32),
+                            paged_kv_indices_buffer=torch.empty(batch * pages, **i32),
+                            paged_kv_last_page_len_buffer=torch.empty(batch, **i32)) if args.hot_l2 else {}
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"),
-                                                             use_tensor_cores=args.tc, backend=args.backend)
+                                                             use_tensor_cores=args.tc, backend=args.backend,
+                                                             **graph_kw)
             w.plan(indptr, indices, last, HQ, args.kv_heads, D, PS, q_data_type=args.q_dtype, kv_data_type=c.dtype,
                    fixed_split_size=fixed_split)
             out = torch.empty_like(q)
             outs[name] = out
-            ms[name] = triton.testing.do_bench(lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0), warmup=25,
-                                               rep=100, return_mode="median")
+            call = lambda: w.run(q, c, out=out, k_scale=0.5, v_scale=2.0)  # noqa: E731
+            ms[name] = (hot_l2_ms(call) if args.hot_l2 else
+                        triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"))
         block_n = os.environ.get(args.tiles_env, "16,0").split(",")[1]
         same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n, fixed_split), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
-        print(f"{case} g{HQ // args.kv_heads} q {args.q_dtype} tc={args.tc} split={fixed_split} {knobs}: "
+        print(f"{case} g{HQ // args.kv_heads}{' hot-L2' if args.hot_l2 else ''}{f' pool {num_pages}' if args.pool_pages else ''} q {args.q_dtype} tc={args.tc} split={fixed_split} {knobs}: "
               f"16-bit {ms['16-bit']:.4f} ms ({2 * kv_bytes / ms['16-bit'] / 1e9:.2f} TB/s), "
               f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/16-bit speed "
               f"{ms['16-bit'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['16-bit'])}, "
               f"same bits as the first tiles with this block_n {all(same)}", flush=True)
+
+
+def hot_l2_ms(call, calls=100, rounds=7):
+    """Median over rounds of the time a call, `calls` calls back to back in one CUDA graph (no host gaps; the
+    data stays in the L2). The wrapper is planned with use_cuda_graph=True."""
+    graphs, _ = common.capture_cuda_graphs([lambda: [call() for _ in range(calls)]])
+    times = []
+    for _ in range(rounds + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[0].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times[2:])[rounds // 2]
 
 
 if __name__ == "__main__":

@@ -52,32 +52,35 @@ def test_order_moves_no_bit(device, monkeypatch):
         assert tuple(pairs[0]) == (3, last_tile_of_3) and not torch.equal(plan.work.cpu(), plan_c.work.cpu())
 
 
-def test_cost_small_orders_only_small_batches(monkeypatch):
+def test_cost_small_orders_only_small_batches(device, monkeypatch):
     """=cost-small: a batch of 1506 keys (x 2 KV heads x 64 x 2 bytes, K and V: 771072 bytes, x group 2) is listed
     costliest first where that product is under prefill.ORDER_COST_MAX_BYTES and request by request where it is
-    not; the same bits either way."""
+    not; the same bits either way (the order is checked on the CPU, where prefill_kernel plans the batch; on a GPU
+    the warp-specialized kernel serves head dim 64 in its own order, and only the bits are compared)."""
     from serveattn import prefill
     gen = torch.Generator().manual_seed(92)
     qo_lens, kv_lens = [130, 0, 33, 70], [768, 5, 33, 700]  # requests 0 and 3 interleave by cost
     b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
-                         page_size=16, dtype=torch.bfloat16, device="cpu")
+                         page_size=16, dtype=torch.bfloat16, device=device)
     product = 2 * sum(kv_lens) * 2 * 64 * 2 * 2
 
     def planned(order: str, bound: int):
         monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
         monkeypatch.setattr(prefill, "ORDER_COST_MAX_BYTES", bound)
-        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8), backend="triton")
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
+                                                          backend="triton")
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, causal=True,
                q_data_type=torch.bfloat16, disable_split_kv=True)
-        out = nan_like(b.q.shape, b.q.dtype, "cpu")
+        out = nan_like(b.q.shape, b.q.dtype, device)
         w.run(b.q, b.cache, out=out)
         assert not out.isnan().any()
-        return out, w._plan.work
+        return out, None if w._plan.work is None else w._plan.work.cpu()
 
     default = prefill.ORDER_COST_MAX_BYTES
     (out, plain), (_, by_cost) = planned("", default), planned("cost", default)
-    assert not torch.equal(plain, by_cost)
+    on_cpu = device == "cpu"
+    assert not on_cpu or not torch.equal(plain, by_cost)
     for bound, want in ((default, by_cost), (product + 1, by_cost), (product, plain)):
         got_out, got = planned("cost-small", bound)
-        assert torch.equal(got, want), bound
+        assert not on_cpu or torch.equal(got, want), bound
         assert torch.equal(got_out, out)
