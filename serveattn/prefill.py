@@ -152,7 +152,8 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
     16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
 
-    costliest_first (measuring only, SERVEATTN_PREFILL_ORDER=cost): every tile of the batch costliest first (the
+    costliest_first (SERVEATTN_PREFILL_ORDER: by default where the batch is small, see ORDER_COST_MAX_BYTES; =cost
+    every batch, measuring only): every tile of the batch costliest first (the
     keys its last row sees; ties in request order), for prefill_kernel's eager grid, whose KV head is the slow
     axis (unlike the warp-specialized kernel's tasks, KV head fastest): the programs running at once share one KV
     head's K/V of every request, and the grid ends on the cheapest tiles instead of the last request's dearest
@@ -451,11 +452,12 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
-        order = knobs.get("SERVEATTN_PREFILL_ORDER", "")
+        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small")
         if order and chosen == "triton" and not graph_tiles and n > batch and \
                 (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
                 not _warp_specialized(plan, kv_lens, False):
-            # measuring only until GPU-measured: prefill_kernel's eager grid, costliest tile of the batch first
+            # prefill_kernel's eager grid, costliest tile of the batch first (=cost-small, the default: small batches
+            # only, ORDER_COST_MAX_BYTES; =cost every batch, measuring only; ="" request by request)
             work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal, costliest_first=True)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv) and the
@@ -536,11 +538,13 @@ def _num_sms(device: torch.device) -> int:
     return 2  # the interpreter: a small target still exercises splitting
 
 
-# SERVEATTN_PREFILL_ORDER=cost-small: costliest first only where the batch's K/V bytes x group stay under this. The
-# H100's head-dim-256 causal points (session 36, docs/runs/2026-12-05T2133-h100-probe-prefill-order-compare.md), by
-# that product: 5-7% faster up to 128 MiB (group 1 to 8x2048, group 4 at 8x512), 0.97-1.01x at 256 MiB, 1.00-1.03x
-# at 512 MiB, 1.10x at 1 GiB: costliest first interleaves every request's K/V, so the L2 holds less of what runs at
-# once (a guess at why the group counts: more rows a KV head keep each request's tiles in flight longer).
+# SERVEATTN_PREFILL_ORDER=cost-small (the default since session 40): costliest first only where the batch's K/V
+# bytes x group stay under this. The H100's head-dim-256 causal points (session 36,
+# docs/runs/2026-12-05T2133-h100-probe-prefill-order-compare.md), by that product: 5-7% faster up to 128 MiB (group
+# 1 to 8x2048, group 4 at 8x512), 0.97-1.01x at 256 MiB, 1.00-1.03x at 512 MiB, 1.10x at 1 GiB: costliest first
+# interleaves every request's K/V, so the L2 holds less of what runs at once (a guess at why the group counts: more
+# rows a KV head keep each request's tiles in flight longer). Session 40 on an H100, out of sample (group 2 added):
+# 0.914-0.972x where it applies, 0.999-1.002x where it does not (docs/runs/2026-12-06T0730-h100-prefill-order-small*).
 ORDER_COST_MAX_BYTES = 1 << 28
 
 

@@ -1,6 +1,7 @@
 """SERVEATTN_PREFILL_ORDER=cost (measuring only): prefill_kernel's eager plans list every tile of the batch
-costliest first (prefill.build_work's costliest_first) instead of request by request; =cost-small only where the
-batch's K/V bytes x group stay under prefill.ORDER_COST_MAX_BYTES. The order moves no bit: each (request, tile) is
+costliest first (prefill.build_work's costliest_first) instead of request by request; =cost-small (the default)
+only where the batch's K/V bytes x group stay under prefill.ORDER_COST_MAX_BYTES; ="" request by request. The order
+moves no bit: each (request, tile) is
 computed whole by one program."""
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_order_moves_no_bit(device, monkeypatch):
 def test_cost_small_orders_only_small_batches(device, monkeypatch):
     """=cost-small: a batch of 1506 keys (x 2 KV heads x 64 x 2 bytes, K and V: 771072 bytes, x group 2) is listed
     costliest first where that product is under prefill.ORDER_COST_MAX_BYTES and request by request where it is
-    not; the same bits either way (the order is checked on the CPU, where prefill_kernel plans the batch; on a GPU
+    not, also with the switch unset (its default); the same bits either way (the order is checked on the CPU, where prefill_kernel plans the batch; on a GPU
     the warp-specialized kernel serves head dim 64 in its own order, and only the bits are compared)."""
     from serveattn import prefill
     gen = torch.Generator().manual_seed(92)
@@ -64,8 +65,11 @@ def test_cost_small_orders_only_small_batches(device, monkeypatch):
                          page_size=16, dtype=torch.bfloat16, device=device)
     product = 2 * sum(kv_lens) * 2 * 64 * 2 * 2
 
-    def planned(order: str, bound: int):
-        monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
+    def planned(order, bound: int):
+        if order is None:
+            monkeypatch.delenv("SERVEATTN_PREFILL_ORDER", raising=False)
+        else:
+            monkeypatch.setenv("SERVEATTN_PREFILL_ORDER", order)
         monkeypatch.setattr(prefill, "ORDER_COST_MAX_BYTES", bound)
         w = serveattn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 22, dtype=torch.uint8, device=device),
                                                           backend="triton")
@@ -80,7 +84,8 @@ def test_cost_small_orders_only_small_batches(device, monkeypatch):
     (out, plain), (_, by_cost) = planned("", default), planned("cost", default)
     on_cpu = device == "cpu"
     assert not on_cpu or not torch.equal(plain, by_cost)
-    for bound, want in ((default, by_cost), (product + 1, by_cost), (product, plain)):
-        got_out, got = planned("cost-small", bound)
-        assert not on_cpu or torch.equal(got, want), bound
+    for order, bound, want in (("cost-small", default, by_cost), ("cost-small", product + 1, by_cost),
+                               ("cost-small", product, plain), (None, default, by_cost), (None, product, plain)):
+        got_out, got = planned(order, bound)
+        assert not on_cpu or torch.equal(got, want), (order, bound)
         assert torch.equal(got_out, out)
