@@ -1540,9 +1540,7 @@ def use_device(device, family: str, seed: int) -> str:
 # earlier seed draws as before): (config key, module, attribute, value drawn, families, draw); read at a plan's first
 # run. prefill_off32_all: int32 K/V offsets at every prefill_kernel tile (the default takes them at 64 rows and more)
 MEASURING = (
-    ("unmasked_loop", decode_kernel, "UNMASKED_LOOP", True, ("decode",), "unmasked:{seed}"),  # unmasked decode loop
     ("f16_scores", decode_kernel, "F16_SCORES", True, ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
-    ("f16_values", decode_kernel, "F16_VALUES", True, ("decode",), "f16-values:{seed}"),  # fp8 decode's P.V in f16
     ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 

@@ -37,11 +37,8 @@
 #   scripts/gpu_run.sh probe-batch-invariant   # vLLM's batch-invariant plans (fixed 2048 / 4096, disabled) against its ordinary ones
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
-#   scripts/gpu_run.sh probe-unmasked          # decode GPU tests with SERVEATTN_DECODE_UNMASKED_LOOP=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
-#   scripts/gpu_run.sh probe-f16-values        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_VALUES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
-#   scripts/gpu_run.sh probe-fp8-decode-switches  # tests under F16_SCORES + F16_VALUES + UNMASKED_LOOP, then fp8 decode under each mix (~5 min)
-#   scripts/gpu_run.sh probe-fp8-hot-l2       # the same switches' fp8 decode with the cache in the L2 (an H100 made compute-bound; ~2 min)
+#   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-prefill-off32-rows  # the same offsets for prefill tiles only (MIN_ROWS=64) vs off and all (~5 min)
 #   scripts/gpu_run.sh probe-fp8-split         # fp8-KV decode at large batches split into more programs (fixed_split_size x stages)
@@ -546,46 +543,18 @@ probe_decode_switch() {  # the decode GPU tests with switch $1=1 (8 workers: 16 
   return "${PIPESTATUS[0]}"
 }
 
-# the decode kernel's unmasked KV loop (SERVEATTN_DECODE_UNMASKED_LOOP)
-step_probe_unmasked() { probe_decode_switch SERVEATTN_DECODE_UNMASKED_LOOP probe-unmasked; }
 # q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES; the fp8 tests assert the dequantized
 # run's bits)
 step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-f16-scores; }
 
-# P.V in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_VALUES; P under 2^-29 flushed over both caches)
-step_probe_f16_values() { probe_decode_switch SERVEATTN_DECODE_F16_VALUES probe-f16-values; }
-
-step_probe_fp8_decode_switches() {  # the fp8 decode switches together: the decode GPU tests under all three on, then
-  # probe_fp8 (bitwise against the dequantized run in each) under each setting in alternating processes, two rounds
-  local all="SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1 SERVEATTN_DECODE_UNMASKED_LOOP=1" setting
-  {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      # shellcheck disable=SC2086
-      env $all timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py \
-        tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
-    fi
-    for round in 1 2; do
-      for setting in "" "SERVEATTN_DECODE_F16_SCORES=1" "SERVEATTN_DECODE_F16_VALUES=1" \
-          "SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1" "$all"; do
-        echo "== ${setting:-defaults}, round $round"
-        # shellcheck disable=SC2086
-        env $setting timeout 90 python3 scripts/probe_fp8.py --backend triton \
-          --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
-      done
-    done
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-decode-switches.txt"
-  return "${PIPESTATUS[0]}"
-}
-
-step_probe_fp8_hot_l2() {  # the fp8 decode switches where the cache fits the L2 (probe_fp8 --pool-pages: the real
-  # shapes' pages drawn from a 256-page pool; PROBE_ARGS="--hot-l2 --cases 32x512" for small caches run back to
-  # back): HBM no longer bounds the kernel, so an H100 shows what the H200's compute-bound fp8 decode would gain
-  # from each; alternating processes, two rounds
-  local all="SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1 SERVEATTN_DECODE_UNMASKED_LOOP=1" setting
+step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --pool-pages: the real shapes' pages
+  # drawn from a 256-page pool; PROBE_ARGS="--hot-l2 --cases 32x512" for small caches run back to back), defaults
+  # against HOT_L2_SETTING (switches, space-separated; F16_SCORES unless named): HBM no longer bounds the kernel, so
+  # an H100 shows what the H200's compute-bound fp8 decode would gain; alternating processes, two rounds
+  local setting
   {
     for round in 1 2; do
-      for setting in "" "SERVEATTN_DECODE_F16_SCORES=1" "SERVEATTN_DECODE_F16_VALUES=1" \
-          "SERVEATTN_DECODE_F16_SCORES=1 SERVEATTN_DECODE_F16_VALUES=1" "$all"; do
+      for setting in "" "${HOT_L2_SETTING:-SERVEATTN_DECODE_F16_SCORES=1}"; do
         echo "== ${setting:-defaults}, round $round"
         # shellcheck disable=SC2086
         env $setting timeout 90 python3 scripts/probe_fp8.py --backend triton \

@@ -142,23 +142,6 @@ def fp8_decode_runs(monkeypatch, module, settings, b, enc, heads, head_dim, q_le
     return results
 
 
-# decode's F16_VALUES off, on, on with F16_SCORES (fp8_decode_runs' settings for the F16_VALUES tests)
-F16_VALUES_SETTINGS = [dict(F16_VALUES=False, F16_SCORES=False), dict(F16_VALUES=True, F16_SCORES=False),
-                       dict(F16_VALUES=True, F16_SCORES=True)]
-
-
-def f16_values_outputs(results: dict, enc) -> tuple:
-    """(switch-on output, switch-off output) of fp8_decode_runs under F16_VALUES_SETTINGS, once checked: every
-    element written; the fp8 run bitwise its dequantized run under the switch, with F16_SCORES too; its LSE the
-    switch-off run's (the row sums keep every P)."""
-    out, lse = results[1, enc]
-    assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[1, torch.bfloat16], results[2, enc], results[2, torch.bfloat16]):
-        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
-    assert torch.equal(lse, results[0, enc][1])
-    return out, results[0, enc][0]
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -707,20 +707,3 @@ def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     for off32, (_, _, w) in results.items():
         assert [kind[-1] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
     _same_bits_and_the_reference(results, b)
-
-
-@pytest.mark.parametrize("q_len,opts,split", [
-    (1, {}, None), (1, {}, 64), (3, {}, None), (4, {}, 32), (1, {"window_left": 40}, None),
-    (1, {"logits_soft_cap": 5.0}, 64)], ids=["decode", "decode-split", "chain3", "chain4-split", "window", "softcap"])
-def test_unmasked_loop_moves_no_bit(q_len, opts, split, device, monkeypatch):
-    """SERVEATTN_DECODE_UNMASKED_LOOP (kernels/decode.UNMASKED_LOOP, measuring): the blocks every real row sees
-    whole run without masks, the rest (a request's last block, a chain's draft keys, a window's edge) masked; the
-    result is the masked kernel's, bit for bit, every row written, the reference's. Lengths put the last block and
-    the draft keys on and off block edges (blocks of 32 or 64 keys: 64, 128 and 129 keys), with an empty request."""
-    gen = torch.Generator().manual_seed(zlib.crc32(f"unmasked-{q_len}-{opts}-{split}".encode()))
-    kv_lens = [129, 64, 0, 300, 128, 5] if q_len == 1 else [129, 64, 300, 128, 5]
-    b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
-                         head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
-    results = _runs_under(monkeypatch, "UNMASKED_LOOP", (False, True), b, device, q_len_per_req=q_len,
-                          fixed_split_size=split, disable_split_kv=split is None, **opts)
-    _same_bits_and_the_reference(results, b, **opts)

@@ -7,8 +7,7 @@ import torch
 import serveattn
 from serveattn import decode as decode_mod
 from serveattn import reference
-from helpers import (F16_VALUES_SETTINGS, check_lse, f16_values_outputs, fp8_decode_runs, make_paged_batch, nan_like,
-                     rel_err)
+from helpers import check_lse, fp8_decode_runs, make_paged_batch, nan_like, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -252,19 +251,3 @@ def test_f16_scores_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypa
     assert not out.isnan().any() and not lse.isnan().any()
     for other in (results[0, enc], results[1, torch.bfloat16], results[0, torch.bfloat16]):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
-
-
-@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "chain4"])
-def test_f16_values_at_real_sizes_keep_the_dequantized_bits(enc, q_len, monkeypatch):
-    """SERVEATTN_DECODE_F16_VALUES (kernels/decode.F16_VALUES) at serving sizes (64 requests to 4096 keys, GQA 32/8,
-    head dim 128, split and unsplit requests), alone and with F16_SCORES: P.V on f16 operands over the fp8 cache
-    (P x 2^15) sums as the bf16 product on the dequantized cache under the switch, bit for bit; the LSE is the
-    switch-off run's and the output within bf16's rounding of it (the flush of P under 2^-29). Queries scaled by
-    2^-4 to 2^4 a row: peaked rows, where most of P lies under 2^-29, and flat ones."""
-    from serveattn.kernels import decode as decode_kernel
-    b = _serving_batch(f"f16-values-real-{enc}-{q_len}", q_len, 4)
-    b.cache = (b.cache * 4).to(enc)
-    results = fp8_decode_runs(monkeypatch, decode_kernel, F16_VALUES_SETTINGS, b, enc, (32, 8), 128, q_len, "cuda")
-    out, off_out = f16_values_outputs(results, enc)
-    assert rel_err(out, off_out) < 1e-2

@@ -11,8 +11,7 @@ import triton.language as tl
 import serveattn
 from serveattn.kernels.common import widen
 from serveattn import reference
-from helpers import (F16_VALUES_SETTINGS, compile_for_sm90, f16_values_outputs, fp8_decode_runs, make_paged_batch,
-                     rel_err)
+from helpers import compile_for_sm90, fp8_decode_runs, make_paged_batch, rel_err
 
 ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
@@ -127,39 +126,6 @@ def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
     assert rel_err(out, ref) < 1e-2
-
-
-@pytest.mark.parametrize("enc", ENCODINGS, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("q_len", [1, 3], ids=["decode", "chain3"])
-def test_f16_values_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
-    """SERVEATTN_DECODE_F16_VALUES (kernels/decode.F16_VALUES, measuring): under a bf16 query P's values below 2^-29
-    are flushed over either cache and P.V over the fp8 cache takes f16 operands (P scaled by 2^15, V widened to
-    f16); the fp8 run stays, bit for bit, the run on the dequantized cache under the switch (with F16_SCORES too),
-    every row written, its LSE the switch-off run's (the row sums keep every P), its output the reference's.
-    Request 3's KV head 0 is planted so that the flush shows in bf16: its first key takes the rows' every weight
-    but one part in 2^34 and has V = 0, the others (K = 0) carry the rest, so those rows come out ~1e-9 without
-    the switch and 0 with it (where an unflushed f16 P would have rounded as a subnormal)."""
-    from serveattn.kernels import decode as decode_kernel
-    gen = torch.Generator().manual_seed(zlib.crc32(f"f16-values-{enc}-{q_len}".encode()))
-    kv_lens = [90, 0 if q_len == 1 else 3, 200, 33, 129, 64]
-    b = _fp8_batch(gen, enc, torch.bfloat16, 64, "NHD", [q_len] * len(kv_lens), kv_lens, device)
-    pages = b.kv_indices[int(b.kv_indptr[3]):int(b.kv_indptr[4])].long()
-    planted = b.cache[pages].float()  # [pages, K / V, slot, KV head, dim]
-    planted[:, 0, :, 0] = 0.0
-    planted[0, 0, 0, 0] = 8.0  # key 0: score 8 x 64 x (1 / 8) x K_SCALE = 23.7 (34.2 in log2) over the others' 0
-    planted[0, 1, 0, 0] = 0.0
-    b.cache[pages] = planted.to(enc)
-    q = b.q.view(len(kv_lens), q_len, 8, 64)
-    q[3, :, :4] = 1.0  # KV head 0's query heads
-    results = fp8_decode_runs(monkeypatch, decode_kernel, F16_VALUES_SETTINGS, b, enc, (8, 2), 64, q_len, device,
-                              dict(fixed_split_size=64), K_SCALE, V_SCALE)
-    out, off_out = f16_values_outputs(results, enc)
-    rows = slice(3 * q_len, 4 * q_len)
-    assert (out[rows, :4] == 0).all() and (off_out[rows, :4] != 0).any()
-    assert off_out[rows, :4].abs().max() < 1e-6
-    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
-                                   causal=True, k_scale=K_SCALE, v_scale=V_SCALE)
-    assert rel_err(out, ref) < 1e-2 and rel_err(off_out, ref) < 1e-2
 
 
 def test_fp8_paged_prefill_against_reference(device):
@@ -296,20 +262,6 @@ def _dots(ttgir: str) -> list:
     return [re.sub(r"%[\w]+|loc\([^)]*\)", "", line).strip() for line in ttgir.splitlines() if "tt.dot " in line]
 
 
-def test_f16_values_takes_the_bf16_product_layouts(tmp_path):
-    """SERVEATTN_DECODE_F16_VALUES=1, sm_90 on this CPU: the fp8 cache's P.V is the 16-bit cache's product with f16
-    operands in place of bf16, operand for operand (the same mma parent and kWidth, the same m16n8k16 mma.sync count),
-    so each f32 sum meets the same products in the same k-slots (2^15 times larger); q.K^T untouched."""
-    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1", SERVEATTN_DECODE_F16_VALUES="1")
-    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1", SERVEATTN_DECODE_F16_VALUES="1")
-    (qk8, pv8), (qk16, pv16) = _dots(fp8), _dots(bf16)
-    assert qk8 == qk16 and "xf16" not in qk8
-    assert pv8 == pv16.replace("xbf16", "xf16") and pv8 != pv16
-    count = lambda ptx, ab: ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32")  # noqa: E731
-    assert count(fp8_ptx, "f16") + count(fp8_ptx, "bf16") == count(bf16_ptx, "bf16") > 0
-    assert count(fp8_ptx, "f16") == count(fp8_ptx, "bf16")  # P.V's half
-
-
 def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
     """SERVEATTN_DECODE_K_OPERAND=1 (the default, common.K_OPERAND), sm_90 on this CPU: the fp8 K tile is widened
     in q.K^T's operand registers (one bf16 shared buffer fewer: no round trip for K), and the bf16 cache's q.K^T
@@ -322,7 +274,7 @@ def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
     bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1")
     fp8_off, _ = _decode_ir(tmp_path, "fp8e4nv", "0")
     assert dots(fp8) == dots(bf16)
-    widths = re.findall(r"kWidth = (\d)", dots(fp8))  # per KV loop (two under SERVEATTN_DECODE_UNMASKED_LOOP=1)
+    widths = re.findall(r"kWidth = (\d)", dots(fp8))
     assert widths and widths == ["4", "4", "2", "2"] * (len(widths) // 4)
     assert buffers(fp8) == buffers(fp8_off) - len(widths) // 4  # one bf16 buffer fewer a KV loop
     assert fp8_ptx.count("mma.sync") == bf16_ptx.count("mma.sync") > 0

@@ -77,12 +77,6 @@ PREFILL_OFF32 = os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32", "1") == "1"
 PREFILL_OFF32_MIN_ROWS = int(os.environ.get("SERVEATTN_PREFILL_KV_OFFSETS_32_MIN_ROWS", "64"))
 
 
-# the decode kernel's F16_VALUES (_attend's PV_F16): P's bf16 values from 2^-29 up are normal f16 values once
-# scaled by 2^15 (1 at most: 2^15 < 65504); smaller ones (under 2^-29 of the row's largest) go to 0
-PV_F16_MIN: tl.constexpr = tl.constexpr(2.0 ** -29)
-PV_F16_SCALE: tl.constexpr = tl.constexpr(2.0 ** 15)
-
-
 @functools.lru_cache(maxsize=256)
 def _spans_int32(shape, strides) -> bool:
     return sum((size - 1) * abs(stride) for size, stride in zip(shape, strides)) < 2 ** 31  # the last: 2^31 - 1
@@ -152,7 +146,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
             K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False,
-            use16=False, PV_F16: tl.constexpr = False):
+            use16=False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
@@ -160,10 +154,6 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     SCORES_F16 (the decode kernel's F16_SCORES, an fp8 cache under a bf16 query): where use16 (f16 holds the query
     tile exactly) q.K^T takes the tile and the fp8 K tile in f16; else as without. One loop for both (a branch a
     block, uniform over the program): two loops kept two sets of shared buffers.
-    PV_F16 (the decode kernel's F16_VALUES, a bf16 query over either cache): P is rounded to bf16 as without and
-    its values below PV_F16_MIN flushed to 0; over an fp8 V tile, P.V then takes f16 operands, P scaled by
-    PV_F16_SCALE (exact in f16 from PV_F16_MIN up) and V widened to f16 in one conversion a pair, so acc comes out
-    PV_F16_SCALE times the 16-bit cache's (the caller divides it out with the output scale, exactly).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -283,14 +273,6 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
-    if PV_F16:
-        p_r = to_dtype(p, dtype).to(tl.float32)
-        p_r = tl.where(p_r < PV_F16_MIN, 0.0, p_r)
-        if v.dtype.is_fp8():
-            acc = mma((p_r * PV_F16_SCALE).to(tl.float16), widen(v, tl.float16), acc * alpha[:, None])
-        else:
-            acc = mma(p_r.to(dtype), v, acc * alpha[:, None])
-        return acc, l_i, m_new
     v = widen(v, dtype)
     if v.dtype.is_fp8():
         # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3

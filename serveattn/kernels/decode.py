@@ -17,7 +17,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from .attention import (LOG2E, PV_F16_SCALE, _attend, _device_scales, _finish, _present, fits_int32, kv_scale_args,
+from .attention import (LOG2E, _attend, _device_scales, _finish, _present, fits_int32, kv_scale_args,
                         kv_strides)
 from .common import K_OPERAND, LAUNCH_OPTIONS, soft_cap_mode, to_dtype, with_8bit_origin
 from .launch import Pack
@@ -95,32 +95,18 @@ def merge_kind(group: int, q_len: int, chunks: Optional[np.ndarray]) -> str:
 # 0.312 ms (fp8/bf16 1.55-1.59 -> 1.58-1.61x); the same bits. Read once at import.
 OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 
-# SERVEATTN_DECODE_UNMASKED_LOOP=1 (measuring only, off by default; not yet GPU-measured): the KV loop's blocks that
-# every real row sees whole run without masks (no bounds compare, no select, unpredicated loads and page-table reads),
-# the request's last block (and a chain's draft keys, and any window) through the masked loop; the same bits. sm_90
-# SASS of the KV loop (16,64,2,6, int32 offsets): fp8 1112 -> 1047 instructions a block and warp, bf16 858 -> 666.
-# Read into each plan's launch memo (tests flip the attribute between plans).
-UNMASKED_LOOP = os.environ.get("SERVEATTN_DECODE_UNMASKED_LOOP", "0") == "1"
-
-# SERVEATTN_DECODE_F16_SCORES=1 (measuring only, off by default; not yet measured on an H200): under an fp8 cache and
-# a bf16 query, a work item whose query tile f16 holds exactly (every value 0 or of magnitude 2^-17 to 65504) takes
-# q.K^T with f16 operands: the fp8 K tile widens to f16 in one conversion a pair (F2FP) instead of four (through
-# fp32 to bf16), and the products and their fp32 sums are those of the bf16 product on the dequantized cache (exact
-# products of the same values; the H100 summed both alike in every reading and GPU test, session 38). Other tiles
-# take bf16's product, a branch a block in the one KV loop (two loops kept two sets of shared buffers: 3 or 2 CTAs
-# an SM, slower on the H100). V and P.V are unchanged. sm_90 SASS of the KV loop (16,64,2,6, int32 offsets, the
-# unmasked loop): a block on the f16 branch 880 instructions, on the bf16 branch 1038, against 1047 without the
-# switch; 55.8 KB of shared memory a CTA as without (4 CTAs an SM). Read into each plan's launch memo (tests flip
-# the attribute between plans).
+# SERVEATTN_DECODE_F16_SCORES=1 (measuring only, off by default): under an fp8 cache and a bf16 query, a work item
+# whose query tile f16 holds exactly (every value 0 or of magnitude 2^-17 to 65504) takes q.K^T with f16 operands:
+# the fp8 K tile widens to f16 in one conversion a pair (F2FP) instead of four (through fp32 to bf16), and the
+# products and their fp32 sums are those of the bf16 product on the dequantized cache (exact products of the same
+# values; the H100 summed both alike in every reading and GPU test, sessions 38-40). Other tiles take bf16's
+# product, a branch a block in the one KV loop (two loops kept two sets of shared buffers: 3 or 2 CTAs an SM, slower
+# on the H100). V and P.V are unchanged. sm_90 SASS of the KV loop (16,64,2,6, int32 offsets): 926 instructions a
+# block on the f16 branch against 1112; 55.8 KB of shared memory a CTA as without (4 CTAs an SM). With the cache in
+# the H100's L2 (session 40, where fp8 decode is compute-bound as on the H200) it reads 1-6% slower at 64x8192 and
+# 128x4096, 3-6% faster at 8x4096 and on short caches: off. Read into each plan's launch memo (tests flip the
+# attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
-
-# SERVEATTN_DECODE_F16_VALUES=1 (measuring only, off by default; not GPU-run): under a bf16 query, P's values below
-# 2^-29 of their row's largest are flushed to 0 (attention.PV_F16_MIN, over either cache, so the fp8 run stays the
-# run on the dequantized cache), and over an fp8 cache P.V takes f16 operands: P (bf16-rounded as without) scaled by
-# 2^15, exact in f16, and the fp8 V tile widened to f16 in one conversion a pair instead of four; the products and
-# fp32 sums are 2^15 times the bf16 product's (exact products of the same values; the H100 summed f16 and bf16
-# operands alike for q.K^T, session 38), divided out with the output scale. Read into each plan's launch memo.
-F16_VALUES = os.environ.get("SERVEATTN_DECODE_F16_VALUES", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
@@ -144,34 +130,6 @@ def _item(at, later, fallback):
 
 
 @triton.jit
-def _kv_blocks(m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
-               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-               tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
-               OFF32: tl.constexpr, UNMASKED: tl.constexpr, SCORES_F16: tl.constexpr, PV_F16: tl.constexpr):
-    """A work item's key blocks [lo, hi) folded into (acc, l_i, m_i) in two runs, as prefill_kernel's: unmasked
-    (UNMASKED_LOOP: the blocks every real row sees whole, below hi and, for draft rows, below the first draft's
-    position; the same bits, fewer instructions), then masked (the rest; all of it without UNMASKED_LOOP, or with
-    a window)."""
-    SPLIT: tl.constexpr = UNMASKED and not HAS_WINDOW
-    mid = lo
-    if SPLIT:
-        full_end = tl.minimum(hi, delta + 1) if QLEN > 1 else hi
-        mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
-    for run in tl.static_range(0 if SPLIT else 1, 2):
-        for n0 in range(lo if run == 0 else mid, mid if run == 0 else hi, BLOCK_N):
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, run == 1, run == 1 and QLEN > 1, False,
-                run == 1 and HAS_WINDOW, SOFT_CAP, False, KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND,
-                OFF32=OFF32, SCORES_F16=SCORES_F16, use16=use16, PV_F16=PV_F16)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def decode_kernel(
     Q, K, V, O, LSE, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -183,7 +141,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    UNMASKED: tl.constexpr = False, F16_SCORES: tl.constexpr = False, F16_VALUES: tl.constexpr = False,
+    F16_SCORES: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -198,11 +156,6 @@ def decode_kernel(
     d = tl.arange(0, HEAD_DIM)
     # F16_SCORES applies to an fp8 cache under a bf16 query
     FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
-    # F16_VALUES: under a bf16 query P's tiny values flushed over either cache, P.V in f16 over an fp8 one, whose
-    # accumulator then holds 2^15 times the 16-bit cache's: the output scale takes the 2^-15 (exact)
-    FAST_PV: tl.constexpr = F16_VALUES and Q.dtype.element_ty == tl.bfloat16
-    if FAST_PV and V.dtype.element_ty.is_fp8():
-        v_scale = v_scale * (1.0 / PV_F16_SCALE)
     # A program's first work item is read together with the work count, not after it (the buffer holds an item
     # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
     # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
@@ -237,12 +190,14 @@ def decode_kernel(
             # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
             # value past f16's range or below its precision, a NaN) takes bf16's
             use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
-        acc, l_i, m_i = _kv_blocks(
-            m_i, l_i, acc, q, use16, lo, hi, delta, K, V, kv_indices, kv_base, kvh,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            tok, row_ok, qk_scale, sm_scale, soft_cap, window_left,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, KV_SAME_STRIDES, QLEN, OFF32,
-            UNMASKED, FAST_QK, FAST_PV)
+        for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
+                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
+                use16=use16)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -419,8 +374,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
-        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, UNMASKED=UNMASKED_LOOP, F16_SCORES=F16_SCORES,
-        F16_VALUES=F16_VALUES,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
