@@ -30,8 +30,8 @@ import torch
 import triton.testing
 
 import serveattn
-import tile_sweep
-from serveattn.bench import common  # scripts/, beside this file
+import tile_sweep  # scripts/, beside this file
+from serveattn.bench import common
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -103,7 +103,8 @@ def probe_split(args, knobs, fixed_split):
         same = [torch.equal(args.seen.setdefault((case, args.kv_heads, name, block_n, fixed_split), out), out)
                 for name, out in outs.items()]
         kv_bytes = 2 * batch * kv * args.kv_heads * D
-        print(f"{case} g{HQ // args.kv_heads}{' hot-L2' if args.hot_l2 else ''}{f' pool {num_pages}' if args.pool_pages else ''} q {args.q_dtype} tc={args.tc} split={fixed_split} {knobs}: "
+        where = (" hot-L2" if args.hot_l2 else "") + (f" pool {num_pages}" if args.pool_pages else "")
+        print(f"{case} g{HQ // args.kv_heads}{where} q {args.q_dtype} tc={args.tc} split={fixed_split} {knobs}: "
               f"16-bit {ms['16-bit']:.4f} ms ({2 * kv_bytes / ms['16-bit'] / 1e9:.2f} TB/s), "
               f"fp8 {ms['fp8']:.4f} ms ({kv_bytes / ms['fp8'] / 1e9:.2f} TB/s), fp8/16-bit speed "
               f"{ms['16-bit'] / ms['fp8']:.2f}x, bitwise {torch.equal(outs['fp8'], outs['16-bit'])}, "

@@ -1,8 +1,7 @@
-"""SERVEATTN_PREFILL_ORDER=cost (measuring only): prefill_kernel's eager plans list every tile of the batch
-costliest first (prefill.build_work's costliest_first) instead of request by request; =cost-small (the default)
-only where the batch's K/V bytes x group stay under prefill.ORDER_COST_MAX_BYTES; ="" request by request. The order
-moves no bit: each (request, tile) is
-computed whole by one program."""
+"""SERVEATTN_PREFILL_ORDER: prefill_kernel's eager plans list every tile of the batch costliest first
+(prefill.build_work's costliest_first) instead of request by request, where the batch's K/V bytes x group stay
+under prefill.ORDER_COST_MAX_BYTES (=cost-small, the default), for every batch (=cost, measuring only), or never
+(=""). The order moves no bit: each (request, tile) is computed whole by one program."""
 import numpy as np
 import pytest
 import torch
@@ -56,8 +55,9 @@ def test_order_moves_no_bit(device, monkeypatch):
 def test_cost_small_orders_only_small_batches(device, monkeypatch):
     """=cost-small: a batch of 1506 keys (x 2 KV heads x 64 x 2 bytes, K and V: 771072 bytes, x group 2) is listed
     costliest first where that product is under prefill.ORDER_COST_MAX_BYTES and request by request where it is
-    not, also with the switch unset (its default); the same bits either way (the order is checked on the CPU, where prefill_kernel plans the batch; on a GPU
-    the warp-specialized kernel serves head dim 64 in its own order, and only the bits are compared)."""
+    not, also with the switch unset (its default); the same bits either way (the order is checked on the CPU,
+    where prefill_kernel plans the batch; on a GPU the warp-specialized kernel serves head dim 64 in its own order,
+    and only the bits are compared)."""
     from serveattn import prefill
     gen = torch.Generator().manual_seed(92)
     qo_lens, kv_lens = [130, 0, 33, 70], [768, 5, 33, 700]  # requests 0 and 3 interleave by cost
