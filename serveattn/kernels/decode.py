@@ -197,29 +197,23 @@ def decode_kernel(
             # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
             # value past f16's range or below its precision, a NaN) takes bf16's
             use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
-        if PAGES_AHEAD and PAGED:  # the next block's page indices read a block ahead (PAGES_AHEAD)
+        AHEAD: tl.constexpr = PAGES_AHEAD and PAGED
+        if AHEAD:  # PAGES_AHEAD: each block's page indices read in the block before's iteration
             n_next = lo + tl.arange(0, BLOCK_N)
             page_next = tl.load(kv_indices + kv_base + n_next // PAGE_SIZE, mask=n_next < hi, other=0)
-            for n0 in range(lo, hi, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
+            page = None  # read in _attend
+            if AHEAD:
                 page = page_next
                 n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
                 page_next = tl.load(kv_indices + kv_base + n_next // PAGE_SIZE, mask=n_next < hi, other=0)
-                acc, l_i, m_i = _attend(
-                    acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
-                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                    KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                    use16=use16, page=page)
-        else:
-            for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
-                acc, l_i, m_i = _attend(
-                    acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
-                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                    HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                    KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                    use16=use16)
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
+                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
+                use16=use16, page=page)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
