@@ -179,9 +179,17 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     work[:, 0] = np.repeat(by_cost, counts)
     ends = np.cumsum(counts)  # one past each request's last position in the list
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
-    if costliest_first:  # by the keys each tile's last row sees (item_costs in single keys)
-        work = work[np.argsort(-item_costs(work, qo, kv, group, block_m, 1, causal), kind="stable")]
-    return torch.from_numpy(np.ascontiguousarray(work).reshape(-1)), n
+    if costliest_first:
+        return costliest_first_order(work, qo, kv, group, block_m, causal), n
+    return torch.from_numpy(work.reshape(-1)), n
+
+
+def costliest_first_order(work, qo_lens, kv_lens, group: int, block_m: int, causal: bool) -> torch.Tensor:
+    """build_work's pairs (numpy [n, 2] or its flat tensor) reordered every tile of the batch costliest first: by
+    the keys each tile's last row sees (item_costs in single keys), ties in their given order."""
+    pairs = np.asarray(work).reshape(-1, 2)
+    pairs = pairs[np.argsort(-item_costs(pairs, qo_lens, kv_lens, group, block_m, 1, causal), kind="stable")]
+    return torch.from_numpy(np.ascontiguousarray(pairs).reshape(-1))
 
 
 def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
@@ -452,13 +460,19 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        answers = {}  # _warp_specialized's, asked here for the tile order and again for split-KV: once each form
+
+        def warp_specialized(graphed: bool) -> bool:
+            if graphed not in answers:
+                answers[graphed] = _warp_specialized(plan, kv_lens, graphed)
+            return answers[graphed]
         order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small")
         if order and chosen == "triton" and not graph_tiles and n > batch and \
                 (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
-                not _warp_specialized(plan, kv_lens, False):
+                not warp_specialized(False):
             # prefill_kernel's eager grid, costliest tile of the batch first (=cost-small, the default: small batches
             # only, ORDER_COST_MAX_BYTES; =cost every batch, measuring only; ="" request by request)
-            work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal, costliest_first=True)
+            work = costliest_first_order(work, qo_lens, kv_lens, group, tiles.block_m, plan.causal)
         # split-KV on our kernel for 16-bit queries (fp8 attention's V^T is per request), where the partial states
         # fit workspace_bytes. Under CUDA graphs only where the wrapper asks (graph_split_kv) and the
         # warp-specialized kernel would not take the plan (chain verify k=64 ran 1.7x slower on split items than on
@@ -467,9 +481,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         # rests on what a graph wrapper holds fixed (dtypes, tiles sized for its rows, page size, flags), so all
         # its plans answer alike.
         items = chosen == "triton" and not fp8 and workspace_bytes > 0 and (not graph_tiles or (
-            graph_split_kv and (split[0] is not None or not _warp_specialized(plan, kv_lens, True))))
+            graph_split_kv and (split[0] is not None or not warp_specialized(True))))
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
-                            warp_specialized=lambda: _warp_specialized(plan, kv_lens, graph_tiles)) \
+                            warp_specialized=lambda: warp_specialized(graph_tiles)) \
             if items else None
         need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
         if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
