@@ -39,6 +39,7 @@
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-pages-ahead      # decode GPU tests under SERVEATTN_DECODE_PAGES_AHEAD=1, then bf16 / fp8 decode vs defaults at 2-4 stages, HBM and L2 (~6 min)
+#   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): reports and text pages (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-prefill-off32-rows  # the same offsets for prefill tiles only (MIN_ROWS=64) vs off and all (~5 min)
@@ -564,6 +565,27 @@ step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --po
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fp8-hot-l2.txt"
   return "${PIPESTATUS[0]}"
+}
+
+step_probe_ncu_decode() {  # Nsight Compute on the decode kernel (scripts/ncu_decode.py): one warm launch a case,
+  # --set full with source; NCU_CASES "cache:pool[:SWITCHES]" (space-separated; switches ;-joined env settings).
+  # Writes each report (.ncu-rep) and its details / SASS-source pages as text
+  local spec cache pool sw name rc=0
+  for spec in ${NCU_CASES:-fp8:0 bf16:0 fp8:256 bf16:256}; do
+    IFS=: read -r cache pool sw <<< "$spec"
+    name="ncu-${NCU_CASE:-64x8192}-$cache-pool$pool${sw:+-${sw//[^A-Za-z0-9]/_}}"
+    echo "== $name"
+    # shellcheck disable=SC2046
+    env ${sw//;/ } timeout 240 ncu --set full --clock-control none --import-source yes -k regex:decode_kernel -s 2 -c 1 \
+      -f -o "$OUT/$name" \
+      python3 scripts/ncu_decode.py --case "${NCU_CASE:-64x8192}" --cache "$cache" --pool-pages "$pool" 2>&1 | tail -4 \
+      || rc=1
+    ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name-details.txt" 2>&1 || rc=1
+    ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name-sass.csv" 2>&1 || true
+    grep -E 'Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc Active|Achieved Occupancy|Registers Per|Stall' \
+      "$OUT/$name-details.txt" | head -20
+  done
+  return $rc
 }
 
 step_probe_pages_ahead() {  # the decode loop's page indices read a block ahead (SERVEATTN_DECODE_PAGES_AHEAD): its
