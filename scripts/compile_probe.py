@@ -86,8 +86,10 @@ def _compile(kernel, constexprs, q, kv, out, warps, stages):
         sig[name] = "constexpr"
     src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
+    maxnreg = int(os.environ.get("SERVEATTN_DECODE_MAXNREG", "0")) if kernel is decode_kernel else 0
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
+                          options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_dim=128):

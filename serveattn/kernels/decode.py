@@ -115,6 +115,11 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # 40). The same offsets, the same bits. Read into each plan's launch memo (tests flip the attribute between plans).
 PAGES_AHEAD = os.environ.get("SERVEATTN_DECODE_PAGES_AHEAD", "0") == "1"
 
+# SERVEATTN_DECODE_MAXNREG=N (measuring only, 0 = off): caps the decode kernel's registers a thread, so more
+# programs fit an SM (the default fp8 tile takes 200: 4 programs of 2 warps an SM, the kernel latency-bound at 2 warps
+# a scheduler, docs/performance.md session 41). Read into each plan's launch memo.
+MAXNREG = int(os.environ.get("SERVEATTN_DECODE_MAXNREG", "0"))
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -396,7 +401,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         # outside the loop)
         MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim) if fused else 1,
         num_warps=plan.tiles.num_warps,
-        num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
+        num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS, **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )
     merge_group, merge_rows = (1, next_pow2(plan.q_len)) if plan.merge == "heads" else (plan.group, merge_rows_pad)
     merge_kwargs = dict(
