@@ -54,8 +54,7 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       QLEN=q_len, FUSED_MERGE=fused_merge, MERGE_ROWS=next_pow2(q_len * group),
                       MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim) if fused_merge else 1,
                       OFF32=os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1",  # the launch's choice (fits_int32)
-                      F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1",
-                      PAGES_AHEAD=os.environ.get("SERVEATTN_DECODE_PAGES_AHEAD", "0") == "1")
+                      F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1")
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 
@@ -86,10 +85,8 @@ def _compile(kernel, constexprs, q, kv, out, warps, stages):
         sig[name] = "constexpr"
     src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    maxnreg = int(os.environ.get("SERVEATTN_DECODE_MAXNREG", "0")) if kernel is decode_kernel else 0
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS,
-                                       **({"maxnreg": maxnreg} if maxnreg else {})))
+                          options=dict(num_warps=warps, num_stages=stages, **LAUNCH_OPTIONS))
 
 
 def compile_prefill_ws(dtype, group, page_size, paged, causal, lse=True, head_dim=128):

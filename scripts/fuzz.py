@@ -1541,7 +1541,6 @@ def use_device(device, family: str, seed: int) -> str:
 # run. prefill_off32_all: int32 K/V offsets at every prefill_kernel tile (the default takes them at 64 rows and more)
 MEASURING = (
     ("f16_scores", decode_kernel, "F16_SCORES", True, ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
-    ("pages_ahead", decode_kernel, "PAGES_AHEAD", True, ("decode",), "pages-ahead:{seed}"),  # page indices a block ahead
     ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 

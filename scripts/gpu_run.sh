@@ -38,7 +38,6 @@
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
-#   scripts/gpu_run.sh probe-pages-ahead      # decode GPU tests under SERVEATTN_DECODE_PAGES_AHEAD=1, then bf16 / fp8 decode vs defaults at 2-4 stages, HBM and L2 (~6 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): reports and text pages (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
@@ -582,36 +581,10 @@ step_probe_ncu_decode() {  # Nsight Compute on the decode kernel (scripts/ncu_de
       || rc=1
     ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name-details.txt" 2>&1 || rc=1
     ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name-sass.csv" 2>&1 || true
-    grep -E 'Duration|Memory Throughput|DRAM Throughput|Issue Slots Busy|Executed Ipc Active|Achieved Occupancy|Registers Per|Stall' \
+    grep -E 'Duration|Throughput  |Issue Slots Busy|Executed Ipc Active|Achieved Occupancy|Registers Per' \
       "$OUT/$name-details.txt" | head -20
   done
   return $rc
-}
-
-step_probe_pages_ahead() {  # the decode loop's page indices read a block ahead (SERVEATTN_DECODE_PAGES_AHEAD): its
-  # GPU tests under it, then probe_fp8 (bitwise against the dequantized run) with the defaults against it at 2, 3, 4
-  # stages (one tile for both dtypes), on HBM and with the cache in the L2 (--pool-pages 256), two rounds
-  local setting pool
-  {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DECODE_PAGES_AHEAD=1 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_fp8_kv.py \
-        tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
-        2>&1 | tail -5
-    fi
-    for round in 1 2; do
-      for setting in "" "SERVEATTN_DECODE_PAGES_AHEAD=1 SERVEATTN_DECODE_TILES=16,64,2,2" \
-          "SERVEATTN_DECODE_PAGES_AHEAD=1 SERVEATTN_DECODE_TILES=16,64,2,3" \
-          "SERVEATTN_DECODE_PAGES_AHEAD=1 SERVEATTN_DECODE_TILES=16,64,2,4"; do
-        for pool in 0 256; do
-          echo "== ${setting:-defaults}, pool $pool, round $round"
-          # shellcheck disable=SC2086
-          env $setting timeout 90 python3 scripts/probe_fp8.py --backend triton --pool-pages $pool \
-            --cases ${PROBE_CASES:-64x8192,128x4096,8x4096,1x8192}
-        done
-      done
-    done
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-pages-ahead.txt"
-  return "${PIPESTATUS[0]}"
 }
 
 step_probe_prefill_off32() {  # prefill_kernel's int32 K/V offsets (SERVEATTN_PREFILL_KV_OFFSETS_32): its GPU tests

@@ -46,14 +46,12 @@ COPY_BYTES_PER_S = 3.0e12  # the copy's read + write rate (the H200 copies at up
 
 @triton.jit
 def _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_p, stride_s, stride_h,
-                PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, OFF32: tl.constexpr = False, page=None):
+                PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, OFF32: tl.constexpr = False):
     """int64 element offsets of the rows of keys n for KV head kvh; int32 under OFF32 (the launch checked that every
-    element of the cache lies within 2^31 - 1 of its start: fits_int32), fewer address instructions. page: the
-    keys' page indices where the caller read them already (the decode kernel's PAGES_AHEAD), else read here."""
+    element of the cache lies within 2^31 - 1 of its start: fits_int32), fewer address instructions."""
     WIDE: tl.constexpr = tl.int32 if OFF32 else tl.int64
     if PAGED:
-        if page is None:
-            page = tl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=n_ok, other=0)
+        page = tl.load(kv_indices + kv_base + n // PAGE_SIZE, mask=n_ok, other=0)
         off = page.to(WIDE) * stride_p + (n % PAGE_SIZE).to(WIDE) * stride_s
     else:
         off = (kv_base + n).to(WIDE) * stride_p
@@ -148,7 +146,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
             K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False,
-            use16=False, page=None):
+            use16=False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
@@ -158,18 +156,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     block, uniform over the program): two loops kept two sets of shared buffers.
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
-    transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies.
-    page: the block's page indices, read by the caller a block ahead (the decode kernel's PAGES_AHEAD); else read
-    here."""
+    transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < kv_len
-    k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED, OFF32,
-                        page)
+    k_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_kp, stride_ks, stride_kh, PAGE_SIZE, PAGED, OFF32)
     if KV_SAME_STRIDES:  # one page-table gather serves K and V
         v_off = k_off
     else:
         v_off = _kv_offsets(kv_indices, kv_base, n, n_ok, kvh, stride_vp, stride_vs, stride_vh, PAGE_SIZE, PAGED,
-                            OFF32, page)
+                            OFF32)
     dtype = q.dtype
     # An fp8 V tile feeds the second product transposed (fp8 wgmma reads B K-major only), so Triton cannot
     # stream it into shared memory with async copies; issuing its load before the first product hides the

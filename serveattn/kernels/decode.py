@@ -108,18 +108,6 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
-# SERVEATTN_DECODE_PAGES_AHEAD=1 (measuring only, off by default; not GPU-run): the KV loop reads the next block's
-# page indices in this block's iteration (a loop-carried value) instead of in the block's own: the K/V copies then
-# hang off no load of their iteration, so Triton's pipeliner can put them further ahead at the same stage count
-# (the page-table read otherwise takes half the stages: 16,64,2,4 has one K/V buffer, docs/performance.md session
-# 40). The same offsets, the same bits. Read into each plan's launch memo (tests flip the attribute between plans).
-PAGES_AHEAD = os.environ.get("SERVEATTN_DECODE_PAGES_AHEAD", "0") == "1"
-
-# SERVEATTN_DECODE_MAXNREG=N (measuring only, 0 = off): caps the decode kernel's registers a thread, so more
-# programs fit an SM (the default fp8 tile takes 200: 4 programs of 2 warps an SM, the kernel latency-bound at 2 warps
-# a scheduler, docs/performance.md session 41). Read into each plan's launch memo.
-MAXNREG = int(os.environ.get("SERVEATTN_DECODE_MAXNREG", "0"))
-
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -153,7 +141,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    F16_SCORES: tl.constexpr = False, PAGES_AHEAD: tl.constexpr = False,
+    F16_SCORES: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -202,23 +190,14 @@ def decode_kernel(
             # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
             # value past f16's range or below its precision, a NaN) takes bf16's
             use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
-        AHEAD: tl.constexpr = PAGES_AHEAD and PAGED
-        if AHEAD:  # PAGES_AHEAD: each block's page indices read in the block before's iteration
-            n_next = lo + tl.arange(0, BLOCK_N)
-            page_next = tl.load(kv_indices + kv_base + n_next // PAGE_SIZE, mask=n_next < hi, other=0)
         for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
-            page = None  # read in _attend
-            if AHEAD:
-                page = page_next
-                n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-                page_next = tl.load(kv_indices + kv_base + n_next // PAGE_SIZE, mask=n_next < hi, other=0)
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
                 KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                use16=use16, page=page)
+                use16=use16)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -395,13 +374,13 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         BLOCK_N=plan.tiles.block_n, PAGE_SIZE=plan.page_size, PAGED=plan.paged,
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
-        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES, PAGES_AHEAD=PAGES_AHEAD,
+        FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
         MERGE_SLOTS=merge_slots(merge_rows_pad, plan.head_dim) if fused else 1,
         num_warps=plan.tiles.num_warps,
-        num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+        num_stages=plan.tiles.num_stages, **LAUNCH_OPTIONS,
     )
     merge_group, merge_rows = (1, next_pow2(plan.q_len)) if plan.merge == "heads" else (plan.group, merge_rows_pad)
     merge_kwargs = dict(
