@@ -5,8 +5,9 @@ P operand cross warps (shared memory and a barrier a block). Here the keys of a 
 q.K^T / P.V are batched dots over W, whose warps Triton places on the batch axis: each warp runs its own online
 softmax over its own blocks, and the W states merge once at the end.
 
-Simplest form: one program a (request, KV head), no split-KV, fp16 query (an fp8 e4m3 cache widens to fp16 in
-one cvt a pair, as serveattn's fp16-query path), NHD pages [pages, 2, page, kv_heads, head_dim].
+Simplest form: one program a (request, KV head), no split-KV, an fp16 query (--q-dtype bfloat16 for bf16: fp8 K/V
+widen to the query's dtype through serveattn's `widen`, as the decode kernel's), NHD pages [pages, 2, page,
+kv_heads, head_dim].
 
     python scripts/proto_decode3d.py --check                 # CPU interpreter: against a float64 reference
     python scripts/proto_decode3d.py --compile 2,64,3        # sm_90 compile on this CPU: shared memory, SASS mix
@@ -27,6 +28,9 @@ else:
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from serveattn.kernels.common import widen  # noqa: E402  (serveattn's exact fp8 widening, as the decode kernel's)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 
@@ -56,7 +60,8 @@ def decode3d_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_log2,
         valid = tok < kv_len
         page = tl.load(kv_indices + first_page + tok // PAGE_SIZE, mask=valid, other=0)
         off = page * stride_kp + (tok % PAGE_SIZE) * stride_ks + h * stride_kh
-        k = tl.load(K + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0).to(tl.float16)
+        k = widen(tl.load(K + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
+                  Q.dtype.element_ty)
         s = tl.dot(q3, tl.trans(k, 0, 2, 1)) * qk_scale_log2  # [W, GROUP_PAD, BLOCK_N]
         s = tl.where(valid[:, None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 2))
@@ -64,8 +69,9 @@ def decode3d_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_log2,
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, :, None])
         l_i = l_i * alpha + tl.sum(p, 2)
-        v = tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0).to(tl.float16)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(tl.float16), v)
+        v = widen(tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
+                  Q.dtype.element_ty)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(Q.dtype.element_ty), v)
         m_i = m_new
     m = tl.max(m_i, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -104,7 +110,8 @@ def decode3d_swap_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_lo
         valid = tok < kv_len
         page = tl.load(kv_indices + first_page + tok // PAGE_SIZE, mask=valid, other=0)
         off = page * stride_kp + (tok % PAGE_SIZE) * stride_ks + h * stride_kh
-        k = tl.load(K + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0).to(tl.float16)
+        k = widen(tl.load(K + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
+                  Q.dtype.element_ty)
         s = tl.dot(k, qt3) * qk_scale_log2  # [W, BLOCK_N, GROUP_PAD]
         s = tl.where(valid[:, :, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,8 +119,9 @@ def decode3d_swap_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_lo
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None, :])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0).to(tl.float16)
-        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(tl.float16))  # [W, HEAD_DIM, GROUP_PAD]
+        v = widen(tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
+                  Q.dtype.element_ty)
+        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(Q.dtype.element_ty))  # [W, HEAD_DIM, GROUP_PAD]
         m_i = m_new
     m = tl.max(m_i, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -135,7 +143,7 @@ def launch(q, cache, kv_indptr, kv_indices, kv_lens, out, sm_scale, w, block_n, 
         PAGE_SIZE=k.shape[1], num_warps=w, num_stages=stages)
 
 
-def inputs(batch, kv, pool_pages, cache_dtype, device, seed=0, kv_heads=HKV, head_dim=D):
+def inputs(batch, kv, pool_pages, cache_dtype, device, seed=0, kv_heads=HKV, head_dim=D, q_dtype=torch.float16):
     gen = torch.Generator(device=device).manual_seed(seed)
     pages = (kv + PS - 1) // PS
     num_pages = pool_pages or batch * pages
@@ -146,7 +154,7 @@ def inputs(batch, kv, pool_pages, cache_dtype, device, seed=0, kv_heads=HKV, hea
     indptr = (torch.arange(batch + 1, dtype=torch.int32) * pages).to(device)
     lens = torch.full((batch,), kv, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ if kv_heads == HKV else kv_heads * 4, head_dim, device=device, generator=gen,
-                    dtype=torch.float16)
+                    dtype=q_dtype)
     return q, cache, indptr, indices, lens
 
 
@@ -229,12 +237,13 @@ def bench(args):
     import serveattn
     for case in args.cases.split(","):
         batch, kv = map(int, case.split("x"))
-        for cache_dtype in (torch.float8_e4m3fn, torch.float16):
-            q, cache, indptr, indices, lens = inputs(batch, kv, args.pool_pages, cache_dtype, "cuda")
+        q_dtype = getattr(torch, args.q_dtype)
+        for cache_dtype in (torch.float8_e4m3fn, q_dtype):
+            q, cache, indptr, indices, lens = inputs(batch, kv, args.pool_pages, cache_dtype, "cuda", q_dtype=q_dtype)
             ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
             wr = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
             last = torch.full((batch,), PS, dtype=torch.int32)
-            wr.plan(indptr.cpu(), indices.cpu(), last, HQ, HKV, D, PS, q_data_type=torch.float16,
+            wr.plan(indptr.cpu(), indices.cpu(), last, HQ, HKV, D, PS, q_data_type=q_dtype,
                     kv_data_type=cache_dtype)
             ref_out = torch.empty_like(q)
             ms = {"serveattn": triton.testing.do_bench(lambda: wr.run(q, cache, out=ref_out), warmup=25, rep=100,
@@ -252,7 +261,8 @@ def bench(args):
                 err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
                 ms[variant + " err"] = err
             line = ", ".join(f"{k} {v:.4f}" + ("" if "err" in k else " ms") for k, v in ms.items())
-            print(f"{case} pool {args.pool_pages} {str(cache_dtype).split('.')[-1]} cache, fp16 q: {line}", flush=True)
+            print(f"{case} pool {args.pool_pages} {str(cache_dtype).split('.')[-1]} cache, {args.q_dtype} q: {line}",
+                  flush=True)
 
 
 if __name__ == "__main__":
@@ -262,6 +272,8 @@ if __name__ == "__main__":
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--cases", default="64x8192,8x4096")
     ap.add_argument("--pool-pages", type=int, default=0)
+    ap.add_argument("--q-dtype", default="float16", choices=("float16", "bfloat16"),
+                    help="the query's dtype (and the 16-bit cache's); fp8 K/V widen to it as serveattn's kernels do")
     ap.add_argument("--variants", default="2,64,3;2,64,4;4,32,3;4,64,3;2,32,4")
     a = ap.parse_args()
     if a.check:
