@@ -121,7 +121,8 @@ def decode3d_swap_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_lo
         l_i = l_i * alpha + tl.sum(p, 1)
         v = widen(tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
                   Q.dtype.element_ty)
-        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(Q.dtype.element_ty))  # [W, HEAD_DIM, GROUP_PAD]
+        # [W, HEAD_DIM, GROUP_PAD]
+        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(Q.dtype.element_ty))
         m_i = m_new
     m = tl.max(m_i, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -139,7 +140,8 @@ def launch(q, cache, kv_indptr, kv_indices, kv_lens, out, sm_scale, w, block_n, 
     kernel[(q.shape[0], k.shape[2])](
         q, k, v, out, kv_indptr, kv_indices, kv_lens, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(8 if swap else 16, triton.next_power_of_2(group)), HEAD_DIM=q.shape[2], BLOCK_N=block_n, W=w,
+        GROUP=group, GROUP_PAD=max(8 if swap else 16, triton.next_power_of_2(group)), HEAD_DIM=q.shape[2],
+        BLOCK_N=block_n, W=w,
         PAGE_SIZE=k.shape[1], num_warps=w, num_stages=stages)
 
 
@@ -227,7 +229,8 @@ def compile_sm90(variant):
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True).stdout
     ops = [line.split()[1].split(".")[0] for line in sass.splitlines() if line.strip().startswith("/*") and
            len(line.split()) > 1]
-    print(f"{'swapped ' if swap else ''}W {w} block {block_n} stages {stages}: shared {compiled.metadata.shared} B, {len(ops)} SASS lines, "
+    print(f"{'swapped ' if swap else ''}W {w} block {block_n} stages {stages}: shared {compiled.metadata.shared} B, "
+          f"{len(ops)} SASS lines, "
           f"HMMA {sum(o == 'HMMA' for o in ops)}, BAR {sum(o == 'BAR' for o in ops)}, "
           f"LDGSTS {sum(o == 'LDGSTS' for o in ops)}, STS {sum(o == 'STS' for o in ops)}, "
           f"LDS {sum(o == 'LDS' for o in ops)}, LDSM {sum(o == 'LDSM' for o in ops)}")
