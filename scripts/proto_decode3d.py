@@ -13,8 +13,8 @@ kv_heads, head_dim].
     python scripts/proto_decode3d.py --compile 2,64,3        # sm_90 compile on this CPU: shared memory, SASS mix
     python scripts/proto_decode3d.py --bench [--pool-pages 256] [--variants "2,64,3;4,32,3"]   # GPU: vs serveattn
 
-A variant "sW,BLOCK_N,stages" runs decode3d_swap_kernel: the products swapped (K.q^T and V^T.P^T), the group's
-heads on the tensor cores' 8-column side (a group of 4 pads to 8 there, against 16 rows unswapped).
+Its swapped-products form (K.q^T and V^T.P^T, a group of 4 on the 8-column side) was measured in session 41 and
+removed (not faster; code at 7825e58).
 """
 import argparse
 import os
@@ -82,66 +82,13 @@ def decode3d_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_log2,
              mask=rows[:, None] < GROUP)
 
 
-@triton.jit
-def decode3d_swap_kernel(Q, K, V, O, kv_indptr, kv_indices, kv_lens, qk_scale_log2,
-                         stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_ob, stride_oh,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, W: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """decode3d_kernel with the products swapped (K.q^T, then V^T.P^T): the keys take the tensor cores' 16-row
-    side and the group's query heads the 8-column side, so a group of 4 pads to 8 columns, not 16 rows (half the
-    softmax's lanes idle, not three quarters), and the softmax reduces over the tile's rows."""
-    req = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    q_rows = h * GROUP + rows
-    qt = tl.load(Q + req * stride_qb + q_rows[None, :] * stride_qh + d[:, None], mask=rows[None, :] < GROUP,
-                 other=0.0)  # [HEAD_DIM, GROUP_PAD]
-    qt3 = tl.broadcast_to(qt[None, :, :], (W, HEAD_DIM, GROUP_PAD))
-    w = tl.arange(0, W)
-    n = tl.arange(0, BLOCK_N)
-    kv_len = tl.load(kv_lens + req)
-    first_page = tl.load(kv_indptr + req)
-    m_i = tl.full((W, GROUP_PAD), float("-inf"), tl.float32)
-    l_i = tl.zeros((W, GROUP_PAD), tl.float32)
-    acc = tl.zeros((W, HEAD_DIM, GROUP_PAD), tl.float32)
-    for start in range(0, kv_len, W * BLOCK_N):
-        tok = start + w[:, None] * BLOCK_N + n[None, :]  # [W, BLOCK_N]: warp w's keys of this step
-        valid = tok < kv_len
-        page = tl.load(kv_indices + first_page + tok // PAGE_SIZE, mask=valid, other=0)
-        off = page * stride_kp + (tok % PAGE_SIZE) * stride_ks + h * stride_kh
-        k = widen(tl.load(K + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
-                  Q.dtype.element_ty)
-        s = tl.dot(k, qt3) * qk_scale_log2  # [W, BLOCK_N, GROUP_PAD]
-        s = tl.where(valid[:, :, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None, :])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = widen(tl.load(V + off[:, :, None] + d[None, None, :], mask=valid[:, :, None], other=0.0),
-                  Q.dtype.element_ty)
-        # [W, HEAD_DIM, GROUP_PAD]
-        acc = acc * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(Q.dtype.element_ty))
-        m_i = m_new
-    m = tl.max(m_i, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    scale = tl.exp2(m_i - m_use[None, :])
-    l_sum = tl.sum(l_i * scale, 0)
-    o = tl.sum(acc * scale[:, None, :], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)[None, :]  # [HEAD_DIM, GROUP_PAD]
-    tl.store(O + req * stride_ob + q_rows[None, :] * stride_oh + d[:, None], o.to(O.dtype.element_ty),
-             mask=rows[None, :] < GROUP)
-
-
-def launch(q, cache, kv_indptr, kv_indices, kv_lens, out, sm_scale, w, block_n, stages, swap=False):
+def launch(q, cache, kv_indptr, kv_indices, kv_lens, out, sm_scale, w, block_n, stages):
     k, v = cache[:, 0], cache[:, 1]
     group = q.shape[1] // k.shape[2]
-    kernel = decode3d_swap_kernel if swap else decode3d_kernel
-    kernel[(q.shape[0], k.shape[2])](
+    decode3d_kernel[(q.shape[0], k.shape[2])](
         q, k, v, out, kv_indptr, kv_indices, kv_lens, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(8 if swap else 16, triton.next_power_of_2(group)), HEAD_DIM=q.shape[2],
-        BLOCK_N=block_n, W=w,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=q.shape[2], BLOCK_N=block_n, W=w,
         PAGE_SIZE=k.shape[1], num_warps=w, num_stages=stages)
 
 
@@ -177,24 +124,16 @@ def reference(q, cache, indptr, indices, lens, sm_scale):
 
 def check():
     torch.manual_seed(0)
-    for (batch, kv, w, block_n, dtype, swap) in (
-            (2, 37, 2, 16, torch.float16, False), (3, 100, 4, 16, torch.float8_e4m3fn, False),
-            (1, 16, 2, 32, torch.float16, False), (2, 64, 2, 16, torch.float8_e4m3fn, False),
-            (2, 37, 2, 16, torch.float16, True), (3, 100, 4, 16, torch.float8_e4m3fn, True),
-            (1, 16, 1, 32, torch.float16, True), (2, 64, 2, 16, torch.float8_e4m3fn, True)):
+    for (batch, kv, w, block_n, dtype) in ((2, 37, 2, 16, torch.float16), (3, 100, 4, 16, torch.float8_e4m3fn),
+                                          (1, 16, 2, 32, torch.float16), (2, 64, 2, 16, torch.float8_e4m3fn)):
         q, cache, indptr, indices, lens = inputs(batch, kv, 0, dtype, "cpu", kv_heads=2, head_dim=32)
         out = torch.full_like(q, float("nan"))
-        launch(q, cache, indptr, indices, lens, out, 32 ** -0.5, w, block_n, 1, swap)
+        launch(q, cache, indptr, indices, lens, out, 32 ** -0.5, w, block_n, 1)
         ref = reference(q, cache, indptr, indices, lens, 32 ** -0.5)
         err = ((out.double() - ref).norm() / ref.norm()).item()
-        print(f"batch {batch} kv {kv} W {w} block {block_n} {dtype} swap {swap}: rel err {err:.2e}, all written "
+        print(f"batch {batch} kv {kv} W {w} block {block_n} {dtype}: rel err {err:.2e}, all written "
               f"{not out.isnan().any().item()}")
         assert err < 2e-3 and not out.isnan().any()
-
-
-def parse(variant):
-    """"W,BLOCK_N,stages", or "sW,BLOCK_N,stages" for the swapped products: (swap, (W, BLOCK_N, stages))."""
-    return variant.startswith("s"), tuple(map(int, variant.lstrip("s").split(",")))
 
 
 def compile_sm90(variant):
@@ -202,9 +141,9 @@ def compile_sm90(variant):
     import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    swap, (w, block_n, stages) = parse(variant)
-    kern = decode3d_swap_kernel if swap else decode3d_kernel
-    consts = dict(GROUP=4, GROUP_PAD=8 if swap else 16, HEAD_DIM=128, BLOCK_N=block_n, W=w, PAGE_SIZE=16)
+    w, block_n, stages = map(int, variant.split(","))
+    kern = decode3d_kernel
+    consts = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_N=block_n, W=w, PAGE_SIZE=16)
     sig, attrs = {}, {}
     ptrs = {"Q": "*fp16", "K": "*fp8e4nv", "V": "*fp8e4nv", "O": "*fp16", "kv_indptr": "*i32",
             "kv_indices": "*i32", "kv_lens": "*i32"}
@@ -229,8 +168,7 @@ def compile_sm90(variant):
         sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True).stdout
     ops = [line.split()[1].split(".")[0] for line in sass.splitlines() if line.strip().startswith("/*") and
            len(line.split()) > 1]
-    print(f"{'swapped ' if swap else ''}W {w} block {block_n} stages {stages}: shared {compiled.metadata.shared} B, "
-          f"{len(ops)} SASS lines, "
+    print(f"W {w} block {block_n} stages {stages}: shared {compiled.metadata.shared} B, {len(ops)} SASS lines, "
           f"HMMA {sum(o == 'HMMA' for o in ops)}, BAR {sum(o == 'BAR' for o in ops)}, "
           f"LDGSTS {sum(o == 'LDGSTS' for o in ops)}, STS {sum(o == 'STS' for o in ops)}, "
           f"LDS {sum(o == 'LDS' for o in ops)}, LDSM {sum(o == 'LDSM' for o in ops)}")
@@ -252,10 +190,9 @@ def bench(args):
             ms = {"serveattn": triton.testing.do_bench(lambda: wr.run(q, cache, out=ref_out), warmup=25, rep=100,
                                                        return_mode="median")}
             for variant in args.variants.split(";"):
-                swap, (w, block_n, stages) = parse(variant)
+                w, block_n, stages = map(int, variant.split(","))
                 out = torch.full_like(q, float("nan"))
-                call = lambda: launch(q, cache, indptr, indices, lens, out, D ** -0.5, w, block_n, stages,  # noqa
-                                      swap)
+                call = lambda: launch(q, cache, indptr, indices, lens, out, D ** -0.5, w, block_n, stages)  # noqa
                 try:
                     ms[variant] = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
                 except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit
