@@ -38,7 +38,7 @@
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
-#   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): reports and text pages (NCU_CASES)
+#   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
 #   scripts/gpu_run.sh probe-prefill-off32-rows  # the same offsets for prefill tiles only (MIN_ROWS=64) vs off and all (~5 min)
@@ -567,22 +567,26 @@ step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --po
 }
 
 step_probe_ncu_decode() {  # Nsight Compute on the decode kernel (scripts/ncu_decode.py): one warm launch a case,
-  # --set full with source; NCU_CASES "cache:pool[:SWITCHES]" (space-separated; switches ;-joined env settings).
-  # Writes each report (.ncu-rep) and its details / SASS-source pages as text
+  # --set full with source; NCU_CASE (batch x KV, 64x8192), NCU_CASES "cache:pool[:SWITCHES]" (space-separated;
+  # switches ;-joined env settings). Writes each case's details page and scripts/ncu_stalls.py's summary of its
+  # per-instruction SASS page; NCU_KEEP=1 keeps the report and that page too (large: fetch few at a time)
   local spec cache pool sw name rc=0
   for spec in ${NCU_CASES:-fp8:0 bf16:0 fp8:256 bf16:256}; do
     IFS=: read -r cache pool sw <<< "$spec"
     name="ncu-${NCU_CASE:-64x8192}-$cache-pool$pool${sw:+-${sw//[^A-Za-z0-9]/_}}"
     echo "== $name"
     # shellcheck disable=SC2046
-    env ${sw//;/ } timeout 240 ncu --set full --clock-control none --import-source yes -k regex:decode_kernel -s 2 -c 1 \
-      -f -o "$OUT/$name" \
+    env ${sw//;/ } timeout 240 ncu --set full --clock-control none --import-source yes -k regex:decode_kernel \
+      -s 2 -c 1 -f -o "$OUT/$name" \
       python3 scripts/ncu_decode.py --case "${NCU_CASE:-64x8192}" --cache "$cache" --pool-pages "$pool" 2>&1 | tail -4 \
       || rc=1
     ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name-details.txt" 2>&1 || rc=1
     ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name-sass.csv" 2>&1 || true
+    python3 scripts/ncu_stalls.py "$OUT/$name-sass.csv" > "$OUT/$name-stalls.txt" 2>&1 || rc=1
     grep -E 'Duration|Throughput  |Issue Slots Busy|Executed Ipc Active|Achieved Occupancy|Registers Per' \
       "$OUT/$name-details.txt" | head -20
+    head -12 "$OUT/$name-stalls.txt"
+    [ "${NCU_KEEP:-0}" = 1 ] || rm -f "$OUT/$name.ncu-rep" "$OUT/$name-sass.csv"
   done
   return $rc
 }
