@@ -38,6 +38,7 @@
 #   scripts/gpu_run.sh probe-k-operand         # decode GPU tests with SERVEATTN_DECODE_K_OPERAND=1, then fp8 / bf16 decode 0 vs 1
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
+#   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
@@ -547,6 +548,14 @@ probe_decode_switch() {  # the decode GPU tests with switch $1=1 (8 workers: 16 
 # q.K^T in f16 for fp8 caches under a bf16 query (SERVEATTN_DECODE_F16_SCORES; the fp8 tests assert the dequantized
 # run's bits)
 step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-f16-scores; }
+
+# q's operand held in registers over the decode KV loop (SERVEATTN_DECODE_Q_HELD): its GPU tests (the bits against
+# the default's, the fp8 contract), fp8 / bf16 decode 0 / 1 on HBM, then with the cache in the L2 (the H200's fp8
+# regime on any card)
+step_probe_q_held() {
+  probe_decode_switch SERVEATTN_DECODE_Q_HELD probe-q-held || return $?
+  HOT_L2_SETTING=SERVEATTN_DECODE_Q_HELD=1 step_probe_fp8_hot_l2
+}
 
 step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --pool-pages: the real shapes' pages
   # drawn from a 256-page pool; PROBE_ARGS="--hot-l2 --cases 32x512" for small caches run back to back), defaults

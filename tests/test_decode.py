@@ -8,7 +8,7 @@ import torch
 
 import serveattn
 from serveattn import decode, reference
-from helpers import check_lse, make_paged_batch, nan_like, rel_err, run_under_switch, tolerance
+from helpers import check_lse, fp8_decode_runs, make_paged_batch, nan_like, rel_err, run_under_switch, tolerance
 
 GQA = [(4, 4), (8, 2), (8, 1)]
 SPLITS = ["off", "two", "many"]
@@ -707,3 +707,37 @@ def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     for off32, (_, _, w) in results.items():
         assert [kind[-1] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
     _same_bits_and_the_reference(results, b)
+
+
+@pytest.mark.parametrize("q_len,opts,split", [
+    (1, {}, None), (1, {}, 64), (3, {}, None), (4, {}, 32), (1, {"window_left": 40}, None),
+    (1, {"logits_soft_cap": 5.0}, 64)], ids=["decode", "decode-split", "chain3", "chain4-split", "window", "softcap"])
+def test_q_held_moves_no_bit(q_len, opts, split, device, monkeypatch):
+    """SERVEATTN_DECODE_Q_HELD (kernels/decode.Q_HELD, measuring): q's operand held in registers over the KV loop;
+    the result is the default kernel's, bit for bit, every row written, the reference's, with an empty request.
+    (It acts under K_OPERAND only, which the CPU interpreter leaves off: the bits are compared on the GPU.)"""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"q-held-{q_len}-{opts}-{split}".encode()))
+    kv_lens = [129, 64, 0, 300, 128, 5] if q_len == 1 else [129, 64, 300, 128, 5]
+    b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.bfloat16, device=device)
+    results = _runs_under(monkeypatch, "Q_HELD", (False, True), b, device, q_len_per_req=q_len,
+                          fixed_split_size=split, disable_split_kv=split is None, **opts)
+    _same_bits_and_the_reference(results, b, **opts)
+
+
+@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
+    """Under Q_HELD an fp8 cache's decode stays, bit for bit, the run on its dequantized (bf16) copy, and both the
+    runs without the switch; split requests included (compared on the GPU, as above)."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"q-held-fp8-{enc}".encode()))
+    kv_lens = [90, 0, 200, 33, 129, 64]
+    b = make_paged_batch(gen, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.float32, device=device)
+    b.cache, b.q = b.cache.to(enc), b.q.to(torch.bfloat16)
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False}, {"Q_HELD": True}], b, enc,
+                              (8, 2), 64, 1, device, dict(fixed_split_size=64))
+    out, lse = results[1, enc]
+    assert not out.isnan().any() and not lse.isnan().any()
+    for other in (results[1, torch.bfloat16], results[0, enc], results[0, torch.bfloat16]):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])

@@ -11,7 +11,7 @@ import triton.language as tl
 import serveattn
 from serveattn.kernels.common import widen
 from serveattn import reference
-from helpers import compile_for_sm90, fp8_decode_runs, make_paged_batch, rel_err
+from helpers import compile_for_sm90, fp8_decode_runs, make_paged_batch, rel_err, script_module
 
 ENCODINGS = [torch.float8_e4m3fn, torch.float8_e5m2]
 K_SCALE, V_SCALE = 0.37, 2.5
@@ -278,6 +278,45 @@ def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
     assert widths and widths == ["4", "4", "2", "2"] * (len(widths) // 4)
     assert buffers(fp8) == buffers(fp8_off) - len(widths) // 4  # one bf16 buffer fewer a KV loop
     assert fp8_ptx.count("mma.sync") == bf16_ptx.count("mma.sync") > 0
+
+
+def _kv_loop(ttgir: str) -> list:
+    """The lines of a decode ttgir's KV loop: the scf.for carrying the [rows, head_dim] fp32 accumulator."""
+    lines = ttgir.splitlines()
+    start = next(i for i, line in enumerate(lines) if "scf.for" in line and "iter_args" in line and
+                 re.search(r"-> \(.*tensor<\d+x128xf32, #mma>", line))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = next(i for i in range(start + 1, len(lines))
+               if lines[i].strip().startswith("}") and len(lines[i]) - len(lines[i].lstrip()) == indent)
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("kv,tiles", [("fp8e4nv", "16,64,2,6"), ("bf16", "16,64,2,4")], ids=["e4m3", "bf16"])
+def test_q_held_keeps_q_out_of_the_kv_loop(kv, tiles, tmp_path):
+    """SERVEATTN_DECODE_Q_HELD=1 (kernels/decode.Q_HELD, measuring), sm_90 on this CPU: without it the KV loop
+    reloads q's kWidth-4 operand from shared memory every block (and ptxas shuffles it into the mma's register
+    quads); with it no shared -> register load of q is left in the loop, the loop's dots keep the very operand
+    layouts (the same k-slots: the same bits), nothing spills and the kernel has fewer instructions."""
+    ir = {}
+    for held in ("0", "1"):
+        out = tmp_path / f"{kv}-held{held}"
+        compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", tiles, SERVEATTN_DECODE_Q_HELD=held)
+        ir[held] = ((out / "decode.ttgir").read_text(), (out / "decode.sass").read_text())
+    q_loads = lambda ttgir: [line for line in _kv_loop(ttgir)  # noqa: E731
+                             if "local_load" in line and "16x128x" in line and "opIdx = 0" in line]
+    loop_dots = lambda ttgir: _dots("\n".join(_kv_loop(ttgir)))  # noqa: E731
+    assert q_loads(ir["0"][0]) and not q_loads(ir["1"][0])
+    assert loop_dots(ir["0"][0]) == loop_dots(ir["1"][0]) and len(loop_dots(ir["1"][0])) == 2
+    assert not re.search(r"\s(LDL|STL)[.\s]", ir["1"][1])
+    # the KV loop's SASS (the smallest loop holding a block's exp2s): the 8-byte loads of q and their shuffles gone
+    hot, sass_loops = {}, script_module("sass_loops")
+    for held, (_, sass) in ir.items():
+        path = tmp_path / f"{held}.sass"
+        path.write_text(sass)
+        bodies = [body for _, _, body in sass_loops.loops(str(path)) if sum("MUFU.EX2" in t for t in body) >= 8]
+        hot[held] = min(bodies, key=len)
+    moves = lambda body: sum(t.split()[0] == "IMAD.MOV.U32" for t in body)  # noqa: E731
+    assert len(hot["1"]) < len(hot["0"]) * 0.95 and moves(hot["1"]) < moves(hot["0"]) // 2
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

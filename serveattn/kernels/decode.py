@@ -108,6 +108,17 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
+# SERVEATTN_DECODE_Q_HELD=1 (measuring only, off by default; not GPU-run): q's tensor-core operand held in registers
+# over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4, which Triton stages through shared memory and reloads
+# every block (ReorderInstructions sinks a shared -> register load with a single user into that user's loop), each
+# 8-byte load then shuffled into the mma's register quads: 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user
+# outside the loop (a dot of q with a splat, used only where num_work < 0, never) keeps the load out, and q takes an
+# 8-bit origin for both dtypes so that its layout conversion moves before that marker into registers. The same
+# operand values in the same k-slots: the same bits. sm_90 compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1010
+# instructions, 200 -> 187 registers; bf16 16,64,2,4 780 -> 726, 216 -> 255 registers; head dim 256 spills, so
+# it stays off there. Read into each plan's launch memo.
+Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -141,7 +152,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    F16_SCORES: tl.constexpr = False,
+    F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -178,10 +189,15 @@ def decode_kernel(
         q_tok = req.to(tl.int64) * QLEN + tok  # the row's index in q, out and lse
         q_row = q_tok * stride_qb + head.to(tl.int64) * stride_qh
         q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        if K_OPERAND and not K.dtype.element_ty.is_fp8():  # q.K^T on the fp8 tile's k-slots (common.K_OPERAND)
+        HELD: tl.constexpr = Q_HELD and K_OPERAND and HEAD_DIM <= 128  # head dim 256's q spills held (bf16)
+        if K_OPERAND and (HELD or not K.dtype.element_ty.is_fp8()):
+            # q.K^T on the fp8 tile's k-slots (common.K_OPERAND); under Q_HELD for both dtypes
             q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
                                             mask=row_ok[:, None], other=0))
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        if HELD:  # q's operand loaded into registers here, not in the loop (Q_HELD)
+            marker = tl.dot(q, tl.full([HEAD_DIM, BLOCK_N], sm_scale, Q.dtype.element_ty))
+            m_i = tl.where(num_work < 0, tl.max(marker, 1), m_i)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
         use16 = False
@@ -375,6 +391,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
+        Q_HELD=Q_HELD,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
