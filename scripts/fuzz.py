@@ -1541,6 +1541,8 @@ def use_device(device, family: str, seed: int) -> str:
 # run. prefill_off32_all: int32 K/V offsets at every prefill_kernel tile (the default takes them at 64 rows and more)
 MEASURING = (
     ("f16_scores", decode_kernel, "F16_SCORES", True, ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
+    # q's operand held in registers over the KV loop (K_OPERAND only: a GPU draw; the interpreter runs without it)
+    ("q_held", decode_kernel, "Q_HELD", True, ("decode",), "q-held:{seed}"),
     ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 
