@@ -114,9 +114,10 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # 8-byte load then shuffled into the mma's register quads: 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user
 # outside the loop (a dot of q with a splat, used only where num_work < 0, never) keeps the load out, and q takes an
 # 8-bit origin for both dtypes so that its layout conversion moves before that marker into registers. The same
-# operand values in the same k-slots: the same bits. sm_90 compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1010
-# instructions, 200 -> 187 registers; bf16 16,64,2,4 780 -> 726, 216 -> 255 registers; head dim 256 spills, so
-# it stays off there. Read into each plan's launch memo.
+# operand values in the same k-slots: the same bits. sm_90 compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1011
+# instructions, 200 -> 187 registers; bf16 16,64,2,4 780 -> 725, 216 -> 255 registers (a few spills outside the
+# loop at groups 1 / 8, chains of 8, page size 1); head dim 256 spills, so it stays off there. Read into each plan's
+# launch memo.
 Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
