@@ -3,12 +3,13 @@ of it: which matrix instruction each dot became, shared-memory round trips, asyn
 instruction mix (nvdisasm, shipped in triton's bin). Costs no device time.
 
     python scripts/compile_probe.py --q bf16 --kv fp8e4nv            # bf16 query over an fp8 cache
-    python scripts/compile_probe.py --q fp8e4nv --kv fp8e4nv --dump /tmp/fp8   # writes ttgir/ptx/sass there
+    python scripts/compile_probe.py --q fp8e4nv --kv fp8e4nv --dump /tmp/fp8   # writes ttgir/ptx/sass/json there
     python scripts/compile_probe.py --kernel decode --kv fp8e4nv --tiles 16,128,4,3
 
 Pointers and strides carry tt.divisibility=16 as a real launch would (without it no load pipelines)."""
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -55,7 +56,8 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim) if fused_merge else 1,
                       OFF32=os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1",  # the launch's choice (fits_int32)
                       F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1",
-                      Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1")
+                      Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1",
+                      V_HALVES=os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1")
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 
@@ -215,6 +217,9 @@ def main():
                 f.write(ck.asm[ext])
         with open(os.path.join(a.dump, f"{a.kernel}.sass"), "w") as f:
             f.write(sass)
+        with open(os.path.join(a.dump, f"{a.kernel}.json"), "w") as f:  # what bounds programs an SM
+            json.dump({"shared": ck.metadata.shared,
+                       "regs": int(getattr(ck, "n_regs", None) or registers(ck.asm["cubin"]))}, f)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,15 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # launch memo.
 Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
 
+# SERVEATTN_DECODE_V_HALVES=1 (measuring only, off by default; not GPU-run): an fp8 V tile (16-bit query) widened and
+# taken through its shared-memory round trip in two 32-key halves, one after the other (P.V as two products over
+# the same k-steps in the same order: the same bits), so one 8 KB bf16 buffer serves both instead of 16 KB. With
+# Q_HELD, sm_90 compile (session 42), e4m3 16,64,2,6: 51.7 -> 41.5 KB of shared memory and 187 registers, so five
+# 2-warp programs fit an SM instead of four (the session-41 profile: latency-bound at two warps a scheduler); the
+# loop 1011 -> 1014 instructions. Without Q_HELD 45.5 KB and 201 registers: still four. Five resident programs need
+# more than 4 x SMs of them (64 x 8192 has 512: split, e.g. fixed_split_size). Read into each plan's launch memo.
+V_HALVES = os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -153,7 +162,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False,
+    F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False, V_HALVES: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -214,7 +223,7 @@ def decode_kernel(
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
                 KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                use16=use16)
+                use16=use16, V_HALVES=V_HALVES)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -392,7 +401,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
-        Q_HELD=Q_HELD,
+        Q_HELD=Q_HELD, V_HALVES=V_HALVES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
