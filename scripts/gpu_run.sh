@@ -560,7 +560,8 @@ step_probe_q_held() {
 
 # an fp8 V tile's round trip in 32-key halves (SERVEATTN_DECODE_V_HALVES) with Q_HELD: five programs an SM instead of
 # four. Its GPU tests (the bits against the default's, the fp8 contract), then fp8 decode under defaults / Q_HELD /
-# both, each with the plan's split and fixed_split_size 4096 / 2048 (64x8192's 512 programs do not fill five a SM),
+# both (and both with merge_kernel folding split requests: the fused fold's kernel takes 255 registers, four a SM),
+# each with the plan's split and fixed_split_size 4096 / 2048 (64x8192's 512 programs do not fill five a SM),
 # alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages)
 step_probe_v_halves() {
   local setting pool
@@ -571,7 +572,8 @@ step_probe_v_halves() {
     fi
     for pool in ${V_HALVES_POOLS:-0 256}; do
       for round in 1 2; do
-        for setting in "" "SERVEATTN_DECODE_Q_HELD=1" "SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1"; do
+        for setting in "" "SERVEATTN_DECODE_Q_HELD=1" "SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1" \
+            "SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0"; do
           echo "== pool pages $pool, ${setting:-defaults}, round $round"
           # shellcheck disable=SC2086
           env $setting timeout 100 python3 scripts/probe_fp8.py --backend triton --pool-pages "$pool" \
