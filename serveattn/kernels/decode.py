@@ -126,7 +126,9 @@ Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
 # Q_HELD, sm_90 compile (session 42), e4m3 16,64,2,6: 51.7 -> 41.5 KB of shared memory and 187 registers, so five
 # 2-warp programs fit an SM instead of four (the session-41 profile: latency-bound at two warps a scheduler); the
 # loop 1011 -> 1014 instructions. Without Q_HELD 45.5 KB and 201 registers: still four. Five resident programs need
-# more than 4 x SMs of them (64 x 8192 has 512: split, e.g. fixed_split_size). Read into each plan's launch memo.
+# more than 4 x SMs of them (64 x 8192 has 512: split, e.g. fixed_split_size), and a split plan's kernel with the
+# fused fold takes 255 registers (four a SM) whatever MERGE_SLOTS: merge_kernel's fold instead. Read into each plan's
+# launch memo.
 V_HALVES = os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
