@@ -561,7 +561,8 @@ step_probe_q_held() {
 # an fp8 V tile's round trip in 32-key halves (SERVEATTN_DECODE_V_HALVES) with Q_HELD: five programs an SM instead of
 # four. Its GPU tests (the bits against the default's, the fp8 contract), then fp8 decode under defaults / Q_HELD /
 # both (and both with merge_kernel folding split requests: the fused fold's kernel takes 255 registers, four a SM),
-# each with the plan's split and fixed_split_size 4096 / 2048 (64x8192's 512 programs do not fill five a SM),
+# each with the plan's split and fixed_split_size 1664 / 1024 (64x8192's 512 programs fill four an SM in one round
+# and five in 0.78 of one only when cut into >= 5 chunks: 2560 programs in four rounds of five a SM, T/5 each),
 # alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages)
 step_probe_v_halves() {
   local setting pool
@@ -577,7 +578,7 @@ step_probe_v_halves() {
           echo "== pool pages $pool, ${setting:-defaults}, round $round"
           # shellcheck disable=SC2086
           env $setting timeout 100 python3 scripts/probe_fp8.py --backend triton --pool-pages "$pool" \
-            --cases ${PROBE_CASES:-64x8192,128x4096,8x4096} --fixed-split "${PROBE_SPLITS:-none;4096;2048}"
+            --cases ${PROBE_CASES:-64x8192,128x4096,8x4096} --fixed-split "${PROBE_SPLITS:-none;1664;1024}"
         done
       done
     done
