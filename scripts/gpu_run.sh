@@ -563,7 +563,8 @@ step_probe_q_held() {
 # both (and both with merge_kernel folding split requests: the fused fold's kernel takes 255 registers, four a SM),
 # each with the plan's split and fixed_split_size 1664 / 1024 (64x8192's 512 programs fill four an SM in one round
 # and five in 0.78 of one only when cut into >= 5 chunks: 2560 programs in four rounds of five a SM, T/5 each),
-# alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages)
+# alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages);
+# V_HALVES_SETTINGS: the settings, ';'-separated (an empty one: the defaults)
 step_probe_v_halves() {
   local setting pool
   {
@@ -573,8 +574,13 @@ step_probe_v_halves() {
     fi
     for pool in ${V_HALVES_POOLS:-0 256}; do
       for round in 1 2; do
-        for setting in "" "SERVEATTN_DECODE_Q_HELD=1" "SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1" \
-            "SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0"; do
+        local settings="${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0}"
+        local IFS_KEPT=$IFS
+        IFS=';'
+        # shellcheck disable=SC2206
+        local list=($settings)
+        IFS=$IFS_KEPT
+        for setting in "${list[@]}"; do
           echo "== pool pages $pool, ${setting:-defaults}, round $round"
           # shellcheck disable=SC2086
           env $setting timeout 100 python3 scripts/probe_fp8.py --backend triton --pool-pages "$pool" \
