@@ -160,6 +160,8 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     SCORES_F16 (the decode kernel's F16_SCORES, an fp8 cache under a bf16 query): where use16 (f16 holds the query
     tile exactly) q.K^T takes the tile and the fp8 K tile in f16; else as without. One loop for both (a branch a
     block, uniform over the program): two loops kept two sets of shared buffers.
+    V_HALVES (the decode kernel's, kernels/decode.V_HALVES): an fp8 V tile under a 16-bit query goes into P.V as two
+    products of half the keys, through one shared buffer (GPU only).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
