@@ -560,7 +560,8 @@ step_probe_q_held() {
 
 # an fp8 V tile's round trip in 32-key halves (SERVEATTN_DECODE_V_HALVES) with Q_HELD: five programs an SM instead of
 # four. Its GPU tests (the bits against the default's, the fp8 contract), then fp8 decode under defaults / Q_HELD /
-# both (and both with merge_kernel folding split requests: the fused fold's kernel takes 255 registers, four a SM),
+# Q_HELD with merge_kernel folding split requests (four an SM) / both with merge_kernel (five an SM; the fused
+# fold's kernel takes 255 registers, four an SM, whatever its slots),
 # each with the plan's split and fixed_split_size 1664 / 1024 (64x8192's 512 programs fill four an SM in one round
 # and five in 0.78 of one only when cut into >= 5 chunks: 2560 programs in four rounds of five a SM, T/5 each),
 # alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages);
@@ -574,7 +575,7 @@ step_probe_v_halves() {
     fi
     for pool in ${V_HALVES_POOLS:-0 256}; do
       for round in 1 2; do
-        local settings="${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0}"
+        local settings="${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0}"
         local IFS_KEPT=$IFS
         IFS=';'
         # shellcheck disable=SC2206
