@@ -108,27 +108,32 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
-# SERVEATTN_DECODE_Q_HELD=1 (measuring only, off by default; not GPU-run): q's tensor-core operand held in registers
-# over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4, which Triton stages through shared memory and reloads
-# every block (ReorderInstructions sinks a shared -> register load with a single user into that user's loop), each
-# 8-byte load then shuffled into the mma's register quads: 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user
+# SERVEATTN_DECODE_Q_HELD=1 (measuring only, off by default; next: on for fp8 caches, once the whole GPU suite has run
+# under it): q's tensor-core operand held in registers over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4,
+# which Triton stages through shared memory and reloads every block (ReorderInstructions sinks a shared -> register
+# load with a single user into that user's loop), each 8-byte load then shuffled into the mma's register quads:
+# 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user
 # outside the loop (a dot of q with a splat, used only where num_work < 0, never) keeps the load out, and q takes an
 # 8-bit origin for both dtypes so that its layout conversion moves before that marker into registers. The same
 # operand values in the same k-slots: the same bits. sm_90 compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1011
 # instructions, 200 -> 187 registers; bf16 16,64,2,4 780 -> 725, 216 -> 255 registers (a few spills outside the
-# loop at groups 1 / 8, chains of 8, page size 1); head dim 256 spills, so it stays off there. Read into each plan's
-# launch memo.
+# loop at groups 1 / 8, chains of 8, page size 1); head dim 256 spills, so it stays off there. H100 (session 42,
+# docs/runs/2026-12-06T1352-h100-probe-v-halves/), the same bits (its GPU tests): fp8 decode with the cache in the L2
+# (the H200's regime) 64x8192 0.2948 / 0.2905 -> 0.2782 / 0.2760 ms, 128x4096 0.2926 / 0.2873 -> 0.2732 / 0.2702;
+# on HBM level (bandwidth-bound); bf16 in the L2 2.5% slower, on HBM level. Read into each plan's launch memo.
 Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
 
-# SERVEATTN_DECODE_V_HALVES=1 (measuring only, off by default; not GPU-run): an fp8 V tile (16-bit query) widened and
+# SERVEATTN_DECODE_V_HALVES=1 (measuring only, off by default): an fp8 V tile (16-bit query) widened and
 # taken through its shared-memory round trip in two 32-key halves, one after the other (P.V as two products over
 # the same k-steps in the same order: the same bits), so one 8 KB bf16 buffer serves both instead of 16 KB. With
 # Q_HELD, sm_90 compile (session 42), e4m3 16,64,2,6: 51.7 -> 41.5 KB of shared memory and 187 registers, so five
 # 2-warp programs fit an SM instead of four (the session-41 profile: latency-bound at two warps a scheduler); the
 # loop 1011 -> 1014 instructions. Without Q_HELD 45.5 KB and 201 registers: still four. Five resident programs need
 # more than 4 x SMs of them (64 x 8192 has 512: split, e.g. fixed_split_size), and a split plan's kernel with the
-# fused fold takes 255 registers (four a SM) whatever MERGE_SLOTS: merge_kernel's fold instead. Read into each plan's
-# launch memo.
+# fused fold takes 255 registers (four a SM) whatever MERGE_SLOTS: merge_kernel's fold instead. H100, the cache in
+# the L2 (session 42): unsplit level with Q_HELD alone (512 / 1024 CTAs: no more resident); split into 1664-key chunks
+# with merge_kernel 0.2905-0.2982 ms against Q_HELD's fused split 0.3081-0.3153, still 5-9% over Q_HELD unsplit
+# (0.2702-0.2782): the split costs what five an SM gain. Untried: ragged batches. Read into each plan's launch memo.
 V_HALVES = os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
