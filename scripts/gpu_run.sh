@@ -567,7 +567,11 @@ step_probe_q_held() {
 # alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages);
 # V_HALVES_SETTINGS: the settings, ';'-separated (an empty one: the defaults)
 step_probe_v_halves() {
-  local setting pool
+  local setting pool list IFS_KEPT=$IFS
+  IFS=';'
+  # shellcheck disable=SC2206
+  list=(${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0})
+  IFS=$IFS_KEPT
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
       SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 timeout 240 python3 -m pytest -q -n 8 \
@@ -575,12 +579,6 @@ step_probe_v_halves() {
     fi
     for pool in ${V_HALVES_POOLS:-0 256}; do
       for round in 1 2; do
-        local settings="${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0}"
-        local IFS_KEPT=$IFS
-        IFS=';'
-        # shellcheck disable=SC2206
-        local list=($settings)
-        IFS=$IFS_KEPT
         for setting in "${list[@]}"; do
           echo "== pool pages $pool, ${setting:-defaults}, round $round"
           # shellcheck disable=SC2086
