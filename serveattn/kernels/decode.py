@@ -114,9 +114,10 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # load with a single user into that user's loop), each 8-byte load then shuffled into the mma's register quads:
 # 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user outside the loop (a dot of q with a splat, used only where
 # num_work < 0, never) keeps the load out, and q takes an 8-bit origin for both dtypes so that its layout conversion
-# moves before that marker into registers. The same operand values in the same k-slots: the same bits. sm_90 compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1011
-# instructions, 200 -> 187 registers; bf16 16,64,2,4 780 -> 725, 216 -> 255 registers (a few spills outside the
-# loop at groups 1 / 8, chains of 8, page size 1); head dim 256 spills, so it stays off there. H100 (session 42,
+# moves before that marker into registers. The same operand values in the same k-slots: the same bits. sm_90
+# compile (session 41): e4m3 16,64,2,6 loop 1112 -> 1011 instructions, 200 -> 187 registers; bf16 16,64,2,4
+# 780 -> 725, 216 -> 255 registers (a few spills outside the loop at groups 1 / 8, chains of 8, page size 1); head
+# dim 256 spills, so it stays off there. H100 (session 42,
 # docs/runs/2026-12-06T1352-h100-probe-v-halves/), the same bits (its GPU tests): fp8 decode with the cache in the L2
 # (the H200's regime) 64x8192 0.2948 / 0.2905 -> 0.2782 / 0.2760 ms, 128x4096 0.2926 / 0.2873 -> 0.2732 / 0.2702;
 # on HBM level (bandwidth-bound); bf16 in the L2 2.5% slower, on HBM level. Read into each plan's launch memo.
