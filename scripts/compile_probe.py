@@ -56,7 +56,8 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       MERGE_SLOTS=merge_slots(next_pow2(q_len * group), head_dim) if fused_merge else 1,
                       OFF32=os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1",  # the launch's choice (fits_int32)
                       F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1",
-                      Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1",
+                      Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"  # the launch's choice
+                      or (os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1" and kv.startswith("fp8")),
                       V_HALVES=os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1")
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 

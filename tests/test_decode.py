@@ -727,15 +727,17 @@ def test_q_held_moves_no_bit(q_len, opts, split, device, monkeypatch):
 
 @pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
-    """Under Q_HELD an fp8 cache's decode stays, bit for bit, the run on its dequantized (bf16) copy, and both the
-    runs without the switch; split requests included (compared on the GPU, as above)."""
+    """Under Q_HELD (fp8 caches' default, Q_HELD_FP8; the bf16 copy keeps the default kernel) an fp8 cache's decode
+    stays, bit for bit, the run on its dequantized (bf16) copy, and both the runs without the switch; split requests
+    included (compared on the GPU, as above)."""
     from serveattn.kernels import decode as decode_kernel
     gen = torch.Generator().manual_seed(zlib.crc32(f"q-held-fp8-{enc}".encode()))
     kv_lens = [90, 0, 200, 33, 129, 64]
     b = make_paged_batch(gen, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
                          head_dim=64, page_size=16, dtype=torch.float32, device=device)
     b.cache, b.q = b.cache.to(enc), b.q.to(torch.bfloat16)
-    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False}, {"Q_HELD": True}], b, enc,
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False, "Q_HELD_FP8": False},
+                                                           {"Q_HELD": False, "Q_HELD_FP8": True}], b, enc,
                               (8, 2), 64, 1, device, dict(fixed_split_size=64))
     out, lse = results[1, enc]
     assert not out.isnan().any() and not lse.isnan().any()
@@ -758,7 +760,7 @@ def test_v_halves_keep_the_fp8_contract(q_len, split, enc, device, monkeypatch):
                          head_dim=64, page_size=16, dtype=torch.float32, device=device)
     b.cache, b.q = b.cache.to(enc), b.q.to(torch.bfloat16)
     plan_kw = dict(fixed_split_size=split, disable_split_kv=split is None)
-    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False, "V_HALVES": False},
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False, "Q_HELD_FP8": False, "V_HALVES": False},
                                                            {"Q_HELD": True, "V_HALVES": True}], b, enc,
                               (8, 2), 64, q_len, device, plan_kw)
     out, lse = results[1, enc]

@@ -271,9 +271,10 @@ def test_k_in_operand_gives_both_dtypes_one_layout(tmp_path):
     dots = lambda ttgir: re.sub(r"%[\w]+|loc\([^)]*\)", "", "\n".join(  # noqa: E731
         line for line in ttgir.splitlines() if "tt.dot " in line))
     buffers = lambda ttgir: len(re.findall(r"local_alloc.*x128xbf16", ttgir))  # noqa: E731
-    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1")
-    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1")
-    fp8_off, _ = _decode_ir(tmp_path, "fp8e4nv", "0")
+    # Q_HELD_FP8 (on by default) gives fp8's q an operand layout of its own origin: compared without it
+    fp8, fp8_ptx = _decode_ir(tmp_path, "fp8e4nv", "1", SERVEATTN_DECODE_Q_HELD_FP8="0")
+    bf16, bf16_ptx = _decode_ir(tmp_path, "bf16", "1", SERVEATTN_DECODE_Q_HELD_FP8="0")
+    fp8_off, _ = _decode_ir(tmp_path, "fp8e4nv", "0", SERVEATTN_DECODE_Q_HELD_FP8="0")
     assert dots(fp8) == dots(bf16)
     widths = re.findall(r"kWidth = (\d)", dots(fp8))
     assert widths and widths == ["4", "4", "2", "2"] * (len(widths) // 4)
@@ -294,14 +295,16 @@ def _kv_loop(ttgir: str) -> list:
 
 @pytest.mark.parametrize("kv,tiles", [("fp8e4nv", "16,64,2,6"), ("bf16", "16,64,2,4")], ids=["e4m3", "bf16"])
 def test_q_held_keeps_q_out_of_the_kv_loop(kv, tiles, tmp_path):
-    """SERVEATTN_DECODE_Q_HELD=1 (kernels/decode.Q_HELD, measuring), sm_90 on this CPU: without it the KV loop
+    """SERVEATTN_DECODE_Q_HELD=1 (kernels/decode.Q_HELD; fp8 caches by default, Q_HELD_FP8), sm_90 on this CPU:
+    without it the KV loop
     reloads q's kWidth-4 operand from shared memory every block (and ptxas shuffles it into the mma's register
     quads); with it no shared -> register load of q is left in the loop, the loop's dots keep the very operand
     layouts (the same k-slots: the same bits), nothing spills and the kernel has fewer instructions."""
     ir = {}
     for held in ("0", "1"):
         out = tmp_path / f"{kv}-held{held}"
-        compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", tiles, SERVEATTN_DECODE_Q_HELD=held)
+        compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", tiles, SERVEATTN_DECODE_Q_HELD=held,
+                         SERVEATTN_DECODE_Q_HELD_FP8=held)
         ir[held] = ((out / "decode.ttgir").read_text(), (out / "decode.sass").read_text())
     q_loads = lambda ttgir: [line for line in _kv_loop(ttgir)  # noqa: E731
                              if "local_load" in line and "16x128x" in line and "opIdx = 0" in line]

@@ -108,8 +108,7 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
-# SERVEATTN_DECODE_Q_HELD=1 (measuring only, off by default; next: on for fp8 caches, once the whole GPU suite has run
-# under it): q's tensor-core operand held in registers over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4,
+# SERVEATTN_DECODE_Q_HELD=1 (for every cache; fp8 caches take it by default, Q_HELD_FP8 below): q's tensor-core operand held in registers over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4,
 # which Triton stages through shared memory and reloads every block (ReorderInstructions sinks a shared -> register
 # load with a single user into that user's loop), each 8-byte load then shuffled into the mma's register quads:
 # 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user outside the loop (a dot of q with a splat, used only where
@@ -122,6 +121,10 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # (the H200's regime) 64x8192 0.2948 / 0.2905 -> 0.2782 / 0.2760 ms, 128x4096 0.2926 / 0.2873 -> 0.2732 / 0.2702;
 # on HBM level (bandwidth-bound); bf16 in the L2 2.5% slower, on HBM level. Read into each plan's launch memo.
 Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
+# Q_HELD for fp8 caches only, on by default since session 43 (SERVEATTN_DECODE_Q_HELD_FP8=0 turns it off): fp8 gains
+# where it is compute-bound, bf16 reads slower (255 registers) and keeps the default kernel. The bits are the same
+# either way, so an fp8 cache under it stays its dequantized bf16 run's (tests/test_decode.py).
+Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 
 # SERVEATTN_DECODE_V_HALVES=1 (measuring only, off by default): an fp8 V tile (16-bit query) widened and
 # taken through its shared-memory round trip in two 32-key halves, one after the other (P.V as two products over
@@ -408,7 +411,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
-        Q_HELD=Q_HELD, V_HALVES=V_HALVES,
+        Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1), V_HALVES=V_HALVES,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
