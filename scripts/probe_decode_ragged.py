@@ -4,6 +4,11 @@ from a CUDA graph, alternating in one process on the same inputs; the first vari
     PYTHONPATH=$PWD python3 scripts/probe_decode_ragged.py [--batches 64,128,256] [--groups 4,8] [--rounds 3]
         [--tensor-cores]
         [--variants "off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default="]
+        [--kv-dtype float8_e4m3fn]
+
+A variant's settings are environment variables read at plan time, or `decode.NAME:value` for a switch of
+serveattn.kernels.decode read once at import (Q_HELD, V_HALVES, MERGE_MODE, ...): set on the module while that
+variant plans and makes its first call (which fills the plan's launch memo), then put back.
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
 with one request of 32768 (outlier), one draw a (batch, distribution), on shuffled pages: the lengths and page
@@ -24,20 +29,27 @@ from serveattn.bench import decode as decode_bench
 HKV, D, PS = decode_bench.HKV, decode_bench.HEAD_DIM, decode_bench.PAGE_SIZE
 
 
-def inputs(kv_lens: np.ndarray, group: int, seed: int):
-    """The bench's ragged page table (shuffled pages) with a random cache and q for `group` query heads a KV head."""
+def inputs(kv_lens: np.ndarray, group: int, seed: int, kv_dtype: torch.dtype = torch.bfloat16):
+    """The bench's ragged page table (shuffled pages) with a random cache (of kv_dtype) and a bf16 q for `group`
+    query heads a KV head."""
     meta = decode_bench.build_meta(kv_lens.size, int(kv_lens.max()), seed=seed, device="cuda",
                                    kv_lens=kv_lens.tolist())
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(meta.num_pages, 2, PS, HKV, D, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(meta.num_pages, 2, PS, HKV, D, generator=gen).to(device="cuda", dtype=kv_dtype)
     q = torch.randn(kv_lens.size, HKV * group, D, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     return meta.indptr, meta.indices, meta.last_page_len, cache, q
 
 
 def runner(settings: dict, graph: bool, args_in, group: int, tensor_cores: bool = False):
     """(call, out) for the wrapper planned under the settings (environment variables), eager or captured."""
+    from serveattn.kernels import decode as decode_kernel
     indptr, indices, last, cache, q = args_in
-    os.environ.update(settings)
+    switches = {k.split(".", 1)[1]: v for k, v in settings.items() if k.startswith("decode.")}
+    env = {k: v for k, v in settings.items() if not k.startswith("decode.")}
+    saved = {name: getattr(decode_kernel, name) for name in switches}
+    for name, value in switches.items():
+        setattr(decode_kernel, name, value == "1" if isinstance(saved[name], bool) else value)
+    os.environ.update(env)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kw = {}
     if graph:
@@ -45,11 +57,13 @@ def runner(settings: dict, graph: bool, args_in, group: int, tensor_cores: bool 
                   paged_kv_indices_buffer=torch.empty_like(indices),
                   paged_kv_last_page_len_buffer=torch.empty_like(last))
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton", use_tensor_cores=tensor_cores, **kw)
-    w.plan(indptr, indices, last, HKV * group, HKV, D, PS, q_data_type=torch.bfloat16)
-    for name in settings:
+    w.plan(indptr, indices, last, HKV * group, HKV, D, PS, q_data_type=torch.bfloat16, kv_data_type=cache.dtype)
+    for name in env:
         os.environ.pop(name)
     out = torch.empty_like(q)
     w.run(q, cache, out=out)
+    for name, value in saved.items():
+        setattr(decode_kernel, name, value)
     if not graph:
         return (lambda: w.run(q, cache, out=out)), out
     torch.cuda.synchronize()
@@ -77,8 +91,10 @@ def main() -> None:
     ap.add_argument("--tensor-cores", action="store_true",
                     help="the tensor-core route (the prefill kernel; e.g. with SERVEATTN_PREFILL_RAGGED_SPLIT:2)")
     ap.add_argument("--variants", default="off=SERVEATTN_DECODE_ORDER:request,SERVEATTN_DECODE_RAGGED_SPLIT:0;default=")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="the cache's dtype, e.g. float8_e4m3fn")
     args = ap.parse_args()
     common.require_cuda()
+    kv_dtype = getattr(torch, args.kv_dtype)
     variants = parse_variants(args.variants)
     names = list(variants)
     print("| dist | group | batch | KV keys (sum, max) | form | " + " | ".join(f"{n} ms" for n in names) + " | "
@@ -88,7 +104,7 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             kv_lens = np.array(decode_bench.ragged_lengths(batch, dist))
             for group in map(int, args.groups.split(",")):
-                data = inputs(kv_lens, group, batch * 10 + group)
+                data = inputs(kv_lens, group, batch * 10 + group, kv_dtype)
                 for graph in (False, True):
                     calls = {n: runner(variants[n], graph, data, group, args.tensor_cores) for n in names}
                     for call, _ in calls.values():
