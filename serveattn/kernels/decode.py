@@ -139,6 +139,13 @@ Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 # (0.2702-0.2782): the split costs what five an SM gain. Untried: ragged batches. Read into each plan's launch memo.
 V_HALVES = os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1"
 
+# SERVEATTN_DECODE_FOLD_CALL=1 (measuring): the fused fold as a called function (noinline), not inlined into the
+# decode kernel. Inlined, the fold's values widen the kernel to 255 registers and ptxas squeezes the KV loop the
+# same kernel runs (sm_90, group 4: bf16 780 -> 848 instructions a block, +45 MOV +47 LOP3; e4m3 1011 -> 1050);
+# H100 (session 44): the fused kernel 2-17% slower than the plain one where a split request's programs run alone.
+# Called: bf16 829, e4m3 1027. The same fold, the same bits. Read into each plan's launch memo.
+FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "0") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -173,6 +180,7 @@ def decode_kernel(
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
     F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False, V_HALVES: tl.constexpr = False,
+    FOLD_CALL: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -255,10 +263,15 @@ def decode_kernel(
                         _stamp(LSE, traced, 4, done, _CLOCK)
                 if done == num_slots - 1:
                     tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                    folded = _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
+                    if FOLD_CALL and not TRACE:  # a called function returns no tensor: traces inline it
+                        _merge_request_call(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
                                             stride_ob, stride_oh, stride_lb, stride_lh,
-                                            NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE and not TRACE,
-                                            QLEN, MERGE_SLOTS)
+                                            NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
+                    else:
+                        folded = _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
+                                                stride_ob, stride_oh, stride_lb, stride_lh,
+                                                NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE and not TRACE,
+                                                QLEN, MERGE_SLOTS)
                     if TRACE:
                         if w == w0:
                             _stamp_rows(LSE, traced, 5, folded.to(tl.int32, bitcast=True), _CLOCK)
@@ -320,6 +333,15 @@ def _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stri
     if RETURN_LSE:
         tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
     return lse  # the fold's last value (a trace stamps after it)
+
+
+@triton.jit(noinline=True)
+def _merge_request_call(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
+                        NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr, QLEN: tl.constexpr, SLOTS: tl.constexpr):
+    """_merge_request as a called function (FOLD_CALL): its registers are its own, not the KV loop's."""
+    _merge_request(PART_O, PART_LSE, O, LSE, first, n, req, kvh, stride_ob, stride_oh, stride_lb, stride_lh,
+                   NUM_QO_HEADS, GROUP, ROWS, HEAD_DIM, RETURN_LSE, QLEN, SLOTS)
 
 
 @triton.jit
@@ -412,6 +434,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1), V_HALVES=V_HALVES,
+        FOLD_CALL=FOLD_CALL and fused,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
