@@ -745,6 +745,26 @@ def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
 
 
+@pytest.mark.parametrize("group", [4, 1])
+def test_fold_call_keeps_the_bits(group, device, monkeypatch):
+    """FOLD_CALL (kernels/decode, on by default): the fused fold of split requests as a called function folds the
+    same slots in the same order as inlined: the same bits, bf16 and fp8 caches alike, an empty request included,
+    every row written (the fold's rows are the group's: 4 and 1 query heads a KV head)."""
+    from serveattn.kernels import decode as decode_kernel
+    gen = torch.Generator().manual_seed(zlib.crc32(f"fold-call-{group}".encode()))
+    kv_lens = [90, 0, 200, 33, 129, 64]
+    b = make_paged_batch(gen, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=2 * group, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.float32, device=device)
+    b.cache, b.q = b.cache.to(torch.float8_e4m3fn), b.q.to(torch.bfloat16)
+    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"FOLD_CALL": False}, {"FOLD_CALL": True}], b,
+                              torch.float8_e4m3fn, (2 * group, 2), 64, 1, device, dict(fixed_split_size=64))
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        out, lse = results[1, kv_dtype]
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert torch.equal(out, results[0, kv_dtype][0]) and torch.equal(lse, results[0, kv_dtype][1])
+    assert torch.equal(results[1, torch.float8_e4m3fn][0], results[1, torch.bfloat16][0])
+
+
 @pytest.mark.parametrize("q_len,split", [(1, None), (1, 64), (3, None)], ids=["decode", "decode-split", "chain3"])
 @pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_v_halves_keep_the_fp8_contract(q_len, split, enc, device, monkeypatch):

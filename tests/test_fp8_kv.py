@@ -323,6 +323,25 @@ def test_q_held_keeps_q_out_of_the_kv_loop(kv, tiles, tmp_path):
     assert len(hot["1"]) < len(hot["0"]) * 0.95 and moves(hot["1"]) < moves(hot["0"]) // 2
 
 
+@pytest.mark.parametrize("kv,tiles", [("fp8e4nv", "16,64,2,6"), ("bf16", "16,64,2,4")], ids=["e4m3", "bf16"])
+def test_fold_call_keeps_the_fused_kv_loop_short(kv, tiles, tmp_path):
+    """FOLD_CALL (kernels/decode, on by default), sm_90 on this CPU: the decode kernel with the fused fold calls the
+    fold as a function of its own (a .func in the PTX) instead of inlining it, and the KV loop that the kernel runs
+    for every block comes out shorter than with the fold inlined (whose values squeezed its registers), unspilled."""
+    hot, sass_loops = {}, script_module("sass_loops")
+    for call in ("0", "1"):
+        out = tmp_path / f"{kv}-call{call}"
+        compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", tiles, "--group", "4", "--fused-merge",
+                         SERVEATTN_DECODE_FOLD_CALL=call)
+        ptx, sass = (out / "decode.ptx").read_text(), (out / "decode.sass").read_text()
+        assert (re.search(r"^\.func .*_merge_request", ptx, re.M) is not None) == (call == "1")
+        bodies = [body for _, _, body in sass_loops.loops(str(out / "decode.sass"))
+                  if sum("MUFU.EX2" in t for t in body) >= 8]
+        hot[call] = min(bodies, key=len)
+        assert not any(t.split()[0].startswith(("LDL", "STL")) for t in hot[call])
+    assert len(hot["1"]) < len(hot["0"]) * 0.99
+
+
 def test_v_halves_fit_five_programs_an_sm(tmp_path):
     """SERVEATTN_DECODE_V_HALVES=1 with Q_HELD (kernels/decode.V_HALVES, measuring), sm_90 on this CPU: the fp8 V
     tile's round trip in two 32-key halves through one buffer takes the kernel's shared memory and registers under
