@@ -1543,8 +1543,9 @@ MEASURING = (
     ("f16_scores", decode_kernel, "F16_SCORES", True, ("decode",), "f16-scores:{seed}"),  # fp8 decode's q.K^T in f16
     # q's operand held in registers over the KV loop (K_OPERAND only: a GPU draw; the interpreter runs without it)
     ("q_held", decode_kernel, "Q_HELD", True, ("decode",), "q-held:{seed}"),
-    # an fp8 V tile's round trip in 32-key halves (a GPU draw, as q_held; it acts on fp8 caches under a 16-bit query)
-    ("v_halves", decode_kernel, "V_HALVES", True, ("decode",), "v-halves:{seed}"),
+    # the fused fold inlined into the decode kernel (FOLD_CALL off; its default calls it: a GPU draw, the interpreter
+    # runs both alike)
+    ("fold_inline", decode_kernel, "FOLD_CALL", False, ("decode",), "fold-inline:{seed}"),
     ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 

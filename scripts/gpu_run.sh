@@ -39,7 +39,6 @@
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
-#   scripts/gpu_run.sh probe-v-halves          # fp8 decode: V's round trip in halves with Q_HELD (5 programs an SM): tests, then 0 / Q_HELD / both x splits (V_HALVES_POOLS)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
@@ -556,39 +555,6 @@ step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-
 step_probe_q_held() {
   probe_decode_switch SERVEATTN_DECODE_Q_HELD probe-q-held || return $?
   HOT_L2_SETTING=SERVEATTN_DECODE_Q_HELD=1 step_probe_fp8_hot_l2
-}
-
-# an fp8 V tile's round trip in 32-key halves (SERVEATTN_DECODE_V_HALVES) with Q_HELD: five programs an SM instead of
-# four. Its GPU tests (the bits against the default's, the fp8 contract), then fp8 decode under defaults / Q_HELD /
-# Q_HELD with merge_kernel folding split requests (four an SM) / both with merge_kernel (five an SM; the fused
-# fold's kernel takes 255 registers, four an SM, whatever its slots),
-# each with the plan's split and fixed_split_size 1664 / 1024 (64x8192's 512 programs fill four an SM in one round
-# and five in 0.78 of one only when cut into >= 5 chunks: 2560 programs in four rounds of five a SM, T/5 each),
-# alternating processes, two rounds; V_HALVES_POOLS: "0" HBM, "256" the cache in the L2 (probe_fp8 --pool-pages);
-# V_HALVES_SETTINGS: the settings, ';'-separated (an empty one: the defaults)
-step_probe_v_halves() {
-  local setting pool list IFS_KEPT=$IFS
-  IFS=';'
-  # shellcheck disable=SC2206
-  list=(${V_HALVES_SETTINGS:-;SERVEATTN_DECODE_Q_HELD=1;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_FUSED_MERGE=0;SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 SERVEATTN_DECODE_FUSED_MERGE=0})
-  IFS=$IFS_KEPT
-  {
-    if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      SERVEATTN_DECODE_Q_HELD=1 SERVEATTN_DECODE_V_HALVES=1 timeout 240 python3 -m pytest -q -n 8 \
-        -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py tests/test_decode.py 2>&1 | tail -5
-    fi
-    for pool in ${V_HALVES_POOLS:-0 256}; do
-      for round in 1 2; do
-        for setting in "${list[@]}"; do
-          echo "== pool pages $pool, ${setting:-defaults}, round $round"
-          # shellcheck disable=SC2086
-          env $setting timeout 100 python3 scripts/probe_fp8.py --backend triton --pool-pages "$pool" \
-            --cases ${PROBE_CASES:-64x8192,128x4096,8x4096} --fixed-split "${PROBE_SPLITS:-none;1664;1024}"
-        done
-      done
-    done
-  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-v-halves.txt"
-  return "${PIPESTATUS[0]}"
 }
 
 step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --pool-pages: the real shapes' pages

@@ -7,7 +7,7 @@ from a CUDA graph, alternating in one process on the same inputs; the first vari
         [--kv-dtype float8_e4m3fn]
 
 A variant's settings are environment variables read at plan time, or `decode.NAME:value` for a switch of
-serveattn.kernels.decode read once at import (Q_HELD, V_HALVES, MERGE_MODE, ...): set on the module while that
+serveattn.kernels.decode read once at import (Q_HELD, FOLD_CALL, MERGE_MODE, ...): set on the module while that
 variant plans and makes its first call (which fills the plan's launch memo), then put back.
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys

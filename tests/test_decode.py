@@ -763,27 +763,3 @@ def test_fold_call_keeps_the_bits(group, device, monkeypatch):
         assert not out.isnan().any() and not lse.isnan().any()
         assert torch.equal(out, results[0, kv_dtype][0]) and torch.equal(lse, results[0, kv_dtype][1])
     assert torch.equal(results[1, torch.float8_e4m3fn][0], results[1, torch.bfloat16][0])
-
-
-@pytest.mark.parametrize("q_len,split", [(1, None), (1, 64), (3, None)], ids=["decode", "decode-split", "chain3"])
-@pytest.mark.parametrize("enc", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_v_halves_keep_the_fp8_contract(q_len, split, enc, device, monkeypatch):
-    """SERVEATTN_DECODE_V_HALVES with Q_HELD (kernels/decode.V_HALVES, measuring): an fp8 V tile's P.V as two
-    products of 32 keys, the same k-steps in the same order as one product of 64: the fp8 cache's decode is, bit for
-    bit, the default kernel's and the run on its dequantized (bf16) copy, every row written, an empty request and
-    split requests included. (Under K_OPERAND only, off in the CPU interpreter, which also keeps one product: the
-    bits are compared on the GPU.)"""
-    from serveattn.kernels import decode as decode_kernel
-    gen = torch.Generator().manual_seed(zlib.crc32(f"v-halves-{q_len}-{split}-{enc}".encode()))
-    kv_lens = [90, 0, 200, 33, 129, 64] if q_len == 1 else [90, 200, 33, 129, 64]
-    b = make_paged_batch(gen, qo_lens=[q_len] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
-                         head_dim=64, page_size=16, dtype=torch.float32, device=device)
-    b.cache, b.q = b.cache.to(enc), b.q.to(torch.bfloat16)
-    plan_kw = dict(fixed_split_size=split, disable_split_kv=split is None)
-    results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False, "Q_HELD_FP8": False, "V_HALVES": False},
-                                                           {"Q_HELD": True, "V_HALVES": True}], b, enc,
-                              (8, 2), 64, q_len, device, plan_kw)
-    out, lse = results[1, enc]
-    assert not out.isnan().any() and not lse.isnan().any()
-    for other in (results[1, torch.bfloat16], results[0, enc], results[0, torch.bfloat16]):
-        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])

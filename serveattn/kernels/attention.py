@@ -24,8 +24,8 @@ except (ImportError, AttributeError):
     attention_ws = None
 from . import gather, replay
 from .. import knobs
-from .common import (EARLY_V, FP8_KEY_ORDER, INTERPRET, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma,
-                     narrow, soft_cap_mode, to_dtype, vt_column, widen, widen_in_operand)
+from .common import (EARLY_V, FP8_KEY_ORDER, LAUNCH_OPTIONS, ROWSUM_MMA, ROWSUM_N, SOFTMAX_FMA, mma, narrow,
+                     soft_cap_mode, to_dtype, vt_column, widen, widen_in_operand)
 from .launch import Pack, launch as launch_jit
 
 LOG2E = 1.4426950408889634
@@ -137,12 +137,6 @@ def _widen_k(k, dtype: tl.constexpr, K_IN_OPERAND: tl.constexpr):
 
 
 @triton.jit
-def _key_halves(x):
-    """x [keys, cols] as its first and second halves of keys."""
-    return tl.split(tl.permute(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), (1, 2, 0)))
-
-
-@triton.jit
 def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left,
@@ -152,7 +146,7 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
             HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
             ROPE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, TREE: tl.constexpr, V_T: tl.constexpr,
             K_IN_OPERAND: tl.constexpr = False, OFF32: tl.constexpr = False, SCORES_F16: tl.constexpr = False,
-            use16=False, V_HALVES: tl.constexpr = False):
+            use16=False):
     """One BLOCK_N block of keys starting at n0 folded into the running (acc, l_i, m_i).
 
     K_IN_OPERAND (the decode kernel under common.K_OPERAND): an fp8 K tile is widened inside the dot operand
@@ -160,8 +154,6 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
     SCORES_F16 (the decode kernel's F16_SCORES, an fp8 cache under a bf16 query): where use16 (f16 holds the query
     tile exactly) q.K^T takes the tile and the fp8 K tile in f16; else as without. One loop for both (a branch a
     block, uniform over the program): two loops kept two sets of shared buffers.
-    V_HALVES (the decode kernel's, kernels/decode.V_HALVES): an fp8 V tile under a 16-bit query goes into P.V as two
-    products of half the keys, through one shared buffer (GPU only).
 
     V_T: V is read from VT, the request's values transposed ([kv head, dim, token], keys contiguous, written by
     transpose_v_kernel), so an fp8 V tile reaches the second product's K-major operand by async copies."""
@@ -281,24 +273,15 @@ def _attend(acc, l_i, m_i, q, q2, n0, K, V, kv_indices, kv_base, kv_len, kvh,
         v = tl.load(V + v_off[:, None] + dv[None, :], mask=n_ok[:, None], other=0.0)
     else:
         v = tl.load(V + v_off[:, None] + dv[None, :])
-    if V_HALVES and V.dtype.element_ty.is_fp8() and not dtype.is_fp8() and not INTERPRET:
-        # the decode kernel's V_HALVES: the fp8 tile's two key halves (a register bit of its layout) widened and
-        # taken through the shared-memory round trip one after the other, so one 32-key bf16 buffer serves both;
-        # the same k-steps in the same order as one product (on the GPU; numpy sums a split product otherwise)
-        v_lo, v_hi = _key_halves(v)
-        p_lo, p_hi = _key_halves(tl.trans(to_dtype(p, dtype)))
-        acc = mma(tl.trans(p_lo), widen(v_lo, dtype), acc * alpha[:, None])
-        acc = mma(tl.trans(p_hi), widen(v_hi, dtype), acc)
+    v = widen(v, dtype)
+    if v.dtype.is_fp8():
+        # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
+        # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second
+        # product; the row sums l_i stay in fp32, and _finish divides P_SCALE out.
+        p_op = narrow(p if FOLD else p * P_SCALE, tl.float8e4nv)
     else:
-        v = widen(v, dtype)
-        if v.dtype.is_fp8():
-            # fp8 attention: P (in [0, 1]) is scaled by P_SCALE into e4m3's normal range and rounded to e4m3 (3
-            # mantissa bits, also over an e5m2 V: the tensor cores take mixed fp8 operands) for the second
-            # product; the row sums l_i stay in fp32, and _finish divides P_SCALE out.
-            p_op = narrow(p if FOLD else p * P_SCALE, tl.float8e4nv)
-        else:
-            p_op = to_dtype(p, v.dtype)
-        acc = mma(p_op, v, acc * alpha[:, None])
+        p_op = to_dtype(p, v.dtype)
+    acc = mma(p_op, v, acc * alpha[:, None])
     if ROWSUM:  # [rows, ROWSUM_N], every column the row's sum of P * P_SCALE in f16
         ones = tl.full([BLOCK_N, ROWSUM_N], 1.0, tl.float16)
         l_i = mma(to_dtype(p if FOLD else p * P_SCALE, tl.float16), ones, l_i * alpha[:, None])

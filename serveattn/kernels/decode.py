@@ -126,19 +126,6 @@ Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
 # either way, so an fp8 cache under it stays its dequantized bf16 run's (tests/test_decode.py).
 Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 
-# SERVEATTN_DECODE_V_HALVES=1 (measuring only, off by default): an fp8 V tile (16-bit query) widened and
-# taken through its shared-memory round trip in two 32-key halves, one after the other (P.V as two products over
-# the same k-steps in the same order: the same bits), so one 8 KB bf16 buffer serves both instead of 16 KB. With
-# Q_HELD, sm_90 compile (session 42), e4m3 16,64,2,6: 51.7 -> 41.5 KB of shared memory and 187 registers, so five
-# 2-warp programs fit an SM instead of four (the session-41 profile: latency-bound at two warps a scheduler); the
-# loop 1011 -> 1014 instructions. Without Q_HELD 45.5 KB and 201 registers: still four. Five resident programs need
-# more than 4 x SMs of them (64 x 8192 has 512: split, e.g. fixed_split_size), and a split plan's kernel with the
-# fused fold takes 255 registers (four a SM) whatever MERGE_SLOTS: merge_kernel's fold instead. H100, the cache in
-# the L2 (session 42): unsplit level with Q_HELD alone (512 / 1024 CTAs: no more resident); split into 1664-key chunks
-# with merge_kernel 0.2905-0.2982 ms against Q_HELD's fused split 0.3081-0.3153, still 5-9% over Q_HELD unsplit
-# (0.2702-0.2782): the split costs what five an SM gain. Untried: ragged batches. Read into each plan's launch memo.
-V_HALVES = os.environ.get("SERVEATTN_DECODE_V_HALVES", "0") == "1"
-
 # The fused fold as a called function (noinline), not inlined into the decode kernel (on by default since session
 # 44; SERVEATTN_DECODE_FOLD_CALL=0 inlines it, measuring only). Inlined, the fold's values take the kernel to 255
 # registers and ptxas squeezes the KV loop that the same kernel runs (sm_90, group 4: bf16 780 -> 848 instructions a
@@ -182,7 +169,7 @@ def decode_kernel(
     SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
-    F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False, V_HALVES: tl.constexpr = False,
+    F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False,
     FOLD_CALL: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
@@ -244,7 +231,7 @@ def decode_kernel(
                 tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
                 HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
                 KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                use16=use16, V_HALVES=V_HALVES)
+                use16=use16)
 
         out, lse = _finish(acc, l_i, m_i, v_scale)
         if TRACE:
@@ -436,7 +423,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         HAS_WINDOW=plan.window_left >= 0, SOFT_CAP=soft_cap_mode(plan.soft_cap), RETURN_LSE=return_lse,
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
-        Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1), V_HALVES=V_HALVES,
+        Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1),
         FOLD_CALL=FOLD_CALL and fused,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
