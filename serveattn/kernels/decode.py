@@ -130,7 +130,7 @@ Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 # 44; SERVEATTN_DECODE_FOLD_CALL=0 inlines it, measuring only). Inlined, the fold's values take the kernel to 255
 # registers and ptxas squeezes the KV loop that the same kernel runs (sm_90, group 4: bf16 780 -> 848 instructions a
 # block and warp, +45 MOV +47 LOP3; e4m3 1011 -> 1050); called, bf16 829, e4m3 1027. The same fold: the same bits.
-# H100 (session 44, scripts/probe_decode_ragged.py, docs/runs/2026-12-06T1740-h100-fold-call/): where a split
+# H100 (session 44, scripts/probe_decode_ragged.py, docs/runs/2026-12-06T1724-h100-fold-call/): where a split
 # request's programs run nearly alone the called fold is 6-23% faster (fp8 ragged 32 requests, one of 29623 keys,
 # 0.3555 -> 0.3027 ms at group 4, 0.3579 -> 0.2761 at group 8; bf16 group 8 0.5011 -> 0.4354; fp8 under a CUDA graph
 # with 64 requests 0.2806 -> 0.2619), level elsewhere (0.984-1.005). Read once here.
