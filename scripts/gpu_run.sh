@@ -39,6 +39,7 @@
 #   scripts/gpu_run.sh probe-off32             # fp8 / bf16 decode with SERVEATTN_KV_OFFSETS_32 0 vs 1, alternating processes (~3 min)
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
+#   scripts/gpu_run.sh probe-fold-call         # the fused fold called (default) / inlined: fp8 / bf16 decode at split shapes, then ragged batches (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
@@ -555,6 +556,21 @@ step_probe_f16_scores() { probe_decode_switch SERVEATTN_DECODE_F16_SCORES probe-
 step_probe_q_held() {
   probe_decode_switch SERVEATTN_DECODE_Q_HELD probe-q-held || return $?
   HOT_L2_SETTING=SERVEATTN_DECODE_Q_HELD=1 step_probe_fp8_hot_l2
+}
+
+# the fused fold called or inlined (SERVEATTN_DECODE_FOLD_CALL, on by default since session 44, H100-measured): fp8 /
+# bf16 decode 0 / 1 at shapes whose plans split and fold through the fused kernel (1x8192, 8x4096, 32x2048) and one
+# that does not (64x8192), alternating processes; then ragged fp8 and bf16 batches, the fold inlined and through
+# merge_kernel against the default
+step_probe_fold_call() {
+  {
+    PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} ab_decode SERVEATTN_DECODE_FOLD_CALL
+    for dtype in float8_e4m3fn bfloat16; do
+      timeout 120 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 32,64 --rounds 2 \
+        --variants "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fold-call.txt"
+  return "${PIPESTATUS[0]}"
 }
 
 step_probe_fp8_hot_l2() {  # fp8 decode with the cache in the L2 (probe_fp8 --pool-pages: the real shapes' pages
