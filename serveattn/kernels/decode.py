@@ -64,7 +64,8 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
 # and slots: from 8 rows (group 8, or a chain's drafts x group) and 16 chunks a request its wait outweighs a second
 # launch (H100, session 35, bandwidth / tensor-core route: group 8 1 x 16384 1.28 -> 0.90, 4 x 4096 1.00 -> 0.92;
 # at 8 chunks (8 x 4096) within 1% either way, at 4 (16 requests) fused 1-3% faster; group 4 at 32 chunks fused
-# 3% faster; docs/performance.md). Each kind's blocking is its own, so its bits are its own (each deterministic).
+# 3% faster; docs/performance.md; measured with the fold inlined, before FOLD_CALL below: not re-tuned since). Each
+# kind's blocking is its own, so its bits are its own (each deterministic).
 PER_HEAD_MERGE_MIN_ROWS = 8
 PER_HEAD_MERGE_MIN_CHUNKS = 16
 # SERVEATTN_DECODE_FUSED_MERGE (measuring only; read once here): "1" always fused, "0" always kv_heads, "heads"
@@ -108,7 +109,8 @@ OFF32_ENABLED = os.environ.get("SERVEATTN_KV_OFFSETS_32", "1") == "1"
 # attribute between plans).
 F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 
-# SERVEATTN_DECODE_Q_HELD=1 (for every cache; fp8 caches take it by default, Q_HELD_FP8 below): q's tensor-core operand held in registers over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4,
+# SERVEATTN_DECODE_Q_HELD=1 (for every cache; fp8 caches take it by default, Q_HELD_FP8 below): q's tensor-core
+# operand held in registers over the KV loop. Under K_OPERAND q.K^T reads q at kWidth 4,
 # which Triton stages through shared memory and reloads every block (ReorderInstructions sinks a shared -> register
 # load with a single user into that user's loop), each 8-byte load then shuffled into the mma's register quads:
 # 16 LDS.64 and ~90-120 IMAD.MOV a block. A second user outside the loop (a dot of q with a splat, used only where
@@ -121,7 +123,7 @@ F16_SCORES = os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1"
 # (the H200's regime) 64x8192 0.2948 / 0.2905 -> 0.2782 / 0.2760 ms, 128x4096 0.2926 / 0.2873 -> 0.2732 / 0.2702;
 # on HBM level (bandwidth-bound); bf16 in the L2 2.5% slower, on HBM level. Read into each plan's launch memo.
 Q_HELD = os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"
-# Q_HELD for fp8 caches only, on by default since session 43 (SERVEATTN_DECODE_Q_HELD_FP8=0 turns it off): fp8 gains
+# Q_HELD for fp8 caches only, on by default since session 44 (SERVEATTN_DECODE_Q_HELD_FP8=0 turns it off): fp8 gains
 # where it is compute-bound, bf16 reads slower (255 registers) and keeps the default kernel. The bits are the same
 # either way, so an fp8 cache under it stays its dequantized bf16 run's (tests/test_decode.py).
 Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
