@@ -135,7 +135,7 @@ Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 # H100 (session 44, scripts/probe_decode_ragged.py, docs/runs/2026-12-06T1724-h100-fold-call/): where a split
 # request's programs run nearly alone the called fold is 6-23% faster (fp8 ragged 32 requests, one of 29623 keys,
 # 0.3555 -> 0.3027 ms at group 4, 0.3579 -> 0.2761 at group 8; bf16 group 8 0.5011 -> 0.4354; fp8 under a CUDA graph
-# with 64 requests 0.2806 -> 0.2619), level elsewhere (0.984-1.005). Read once here.
+# with 64 requests 0.2806 -> 0.2619), level elsewhere (0.984-1.005). Read at import, into each plan's launch memo.
 FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
