@@ -40,6 +40,7 @@
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
 #   scripts/gpu_run.sh probe-fold-call         # the fused fold called (default) / inlined: fp8 / bf16 decode at split shapes, then ragged batches (~5 min)
+#   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
 #   scripts/gpu_run.sh probe-prefill-off32     # prefill_kernel GPU tests with SERVEATTN_PREFILL_KV_OFFSETS_32=1, then tensor-core decode / prefill_kernel 0 vs 1 (~7 min)
@@ -570,6 +571,28 @@ step_probe_fold_call() {
         --variants "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fold-call.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_merge_rule() {  # kernels/decode.merge_kind re-read with the called fold (its rule was measured with the fold
+  # inlined, session 35): SERVEATTN_DECODE_FUSED_MERGE auto / 0 (merge_kernel a KV head) / heads at split shapes,
+  # groups 4 and 8, fp8 and bf16 (probe_fp8 prints both), alternating processes, two rounds; then the ragged batches
+  local round mode
+  {
+    for round in 1 2; do
+      for mode in auto 0 heads; do
+        echo "== SERVEATTN_DECODE_FUSED_MERGE=$mode, round $round"
+        SERVEATTN_DECODE_FUSED_MERGE=$mode timeout 90 python3 scripts/probe_fp8.py --backend triton \
+          --cases ${PROBE_CASES:-1x8192,2x8192,8x4096,32x2048}
+        SERVEATTN_DECODE_FUSED_MERGE=$mode timeout 90 python3 scripts/probe_fp8.py --backend triton --kv-heads 4 \
+          --cases ${PROBE_CASES:-1x8192,2x8192,8x4096,32x2048}
+      done
+    done
+    for dtype in bfloat16 float8_e4m3fn; do
+      timeout 120 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 32,64 --rounds 2 \
+        --variants "auto=;kv_heads=decode.MERGE_MODE:0;heads=decode.MERGE_MODE:heads;fused=decode.MERGE_MODE:1"
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-merge-rule.txt"
   return "${PIPESTATUS[0]}"
 }
 
