@@ -79,6 +79,8 @@ SHARD_REFUSALS = [
      "pages_per_rank\\[0\\] sums to 3 but request 0 owns 2 pages"),
     ("counts_negative", dict(world_size=2, rank=0, pages_per_rank=[[3, -1], [1, 0]]), "negative page count"),
     ("counts_float", dict(world_size=2, rank=0, pages_per_rank=torch.ones(2, 2)), "page counts must be integers"),
+    ("counts_float_list", dict(world_size=2, rank=0, pages_per_rank=[[1.0, 1.0], [1.0, 0.0]]),
+     "pages_per_rank holds float64 values; page counts must be integers"),
     ("int64", dict(world_size=2, rank=0, int64=True), "must be int32"),
     ("last_page_len", dict(world_size=2, rank=0, last=[5, 1]), ": last_page_len\\[0\\]=5"),
 ]
@@ -255,6 +257,16 @@ def test_constructor_and_run_refusals(solo_group, monkeypatch):
         m.setattr(dist, "is_initialized", lambda: False)
         with pytest.raises(ValueError, match="torch.distributed is not initialized"):
             ContextParallelDecode(None, ws)
+    with monkeypatch.context() as m:  # a group this process is not in (get_rank's -1): one rank cannot build it
+        m.setattr(dist, "get_rank", lambda group=None: -1)
+        with pytest.raises(ValueError, match="this process is not a member of process_group"):
+            ContextParallelDecode(solo_group, ws)
+    with monkeypatch.context() as m:  # a metadata group over other ranks: one rank cannot build it either
+        spans = iter([[0, 1], [1, 0]])
+        m.setattr(dist, "get_process_group_ranks", lambda group: next(spans))
+        with pytest.raises(ValueError, match=r"metadata_group spans global ranks \[1, 0\] but process_group spans "
+                                             r"\[0, 1\]; both must hold the same ranks in the same order"):
+            ContextParallelDecode(solo_group, ws, metadata_group=solo_group)
     cp = ContextParallelDecode(solo_group, ws, backend="torch")
     b = _solo_batch(2, (13, 2, 30))
     with pytest.raises(ValueError, match="ContextParallelDecode.run: run\\(\\) was called before plan\\(\\)"):
@@ -283,6 +295,8 @@ def test_constructor_and_run_refusals(solo_group, monkeypatch):
         cp.run(b.q, (b.cache[:, 0].to(E4M3), b.cache[:, 1]))
     with pytest.raises(ValueError, match="k_scale=-1.0 must be a positive finite float"):
         cp.run(b.q, b.cache, k_scale=-1.0)
+    with pytest.raises(ValueError, match="ContextParallelDecode.run: k cache is on meta; expected cpu"):
+        cp.run(b.q, b.cache.to("meta"))
     with pytest.raises(ValueError, match=r"ContextParallelDecode.run: k cache has shape \(17, 4, 2, 32\)"):
         cp.run(b.q, torch.zeros(17, 2, 4, 2, 32, dtype=torch.bfloat16))
 
