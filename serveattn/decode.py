@@ -302,7 +302,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                 policy.unsupported(entry, f"pos_encoding_mode={pos_encoding_mode!r} with tree_parents is not "
                                           f"served: a tree token's position is its depth, not its index; apply "
                                           f"RoPE before appending K and passing q.")
-            tree = tree_ancestor_bits(entry, tree_parents)
+            tree = tree_ancestor_bits(entry, tree_parents, name="tree_parents")
         mode = "tree" if tree is not None else q_len_per_req
         if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
@@ -471,10 +471,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     def _allocate_graph_buffers(self, entry: str, plan: DecodePlan) -> dict:
         cap = self._graph_cap
         for name, want in (("kv_indptr", cap + 1), ("kv_indices", 1), ("last_page_len", 1)):
-            buf = self._bufs[name]
-            if buf is None or buf.dtype != torch.int32 or buf.device != self.device or buf.numel() < want:
-                policy.refuse(entry, f"the {name} buffer must be an int32 tensor on {self.device} "
-                                     f"(kv_indptr: batch capacity + 1 entries).")
+            buf = self._bufs[name]  # int32 on the wrapper's device: the constructor checked them
+            if buf.numel() < want:  # the batch capacity is last_page_len_buffer's size
+                policy.refuse(entry, f"the {name} buffer holds {buf.numel()} entries; it needs at least {want}"
+                                     + (f" (the batch capacity {cap} + 1)." if name == "kv_indptr" else "."))
         slot_cap = _slot_capacity(self._workspace, plan.num_qo_heads, plan.head_dim)
         i32 = dict(dtype=torch.int32, device=self.device)
         # an item for every program at least: each reads its first before it knows the work count

@@ -23,8 +23,9 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
     policy.check_kv_layout(entry, kv_layout)
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2 or not all(isinstance(c, torch.Tensor) for c in paged_kv_cache):
+            kinds = ", ".join(type(c).__name__ for c in paged_kv_cache)
             policy.refuse(entry, f"paged_kv_cache as a tuple must be (k_cache, v_cache), two tensors; got "
-                                 f"{len(paged_kv_cache)} items.")
+                                 f"{len(paged_kv_cache)} items ({kinds}).")
         k_cache, v_cache = paged_kv_cache
         if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
             policy.refuse(entry, f"paged_kv_cache tuple holds shapes {tuple(k_cache.shape)} and "

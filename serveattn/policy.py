@@ -364,16 +364,9 @@ def max_page(entry: str, used: np.ndarray, name: str = "paged_kv_indices") -> in
 
 
 def paged_kv_lens(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-                  page_size: int, num_pages: Optional[int] = None,
-                  names: Tuple[str, str, str] = PREFILL_TABLE_NAMES) -> torch.Tensor:
-    """Validates a CSR page table on the host (page_table), pages against num_pages where given; returns kv_len
-    per request (CPU int64)."""
-    kv_lens, ip = page_table(entry, indptr, indices, last_page_len, page_size, names)
-    if num_pages is not None and indices.numel():
-        idx = host_array(indices)[: int(ip[-1])]
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= num_pages):
-            bad_page = int(idx.max()) if int(idx.max()) >= num_pages else int(idx.min())
-            refuse(entry, f"{names[1]} holds page {bad_page} outside the cache's {num_pages} pages.")
+                  page_size: int, names: Tuple[str, str, str] = PREFILL_TABLE_NAMES) -> torch.Tensor:
+    """Validates a CSR page table on the host (page_table); returns kv_len per request (CPU int64)."""
+    kv_lens, _ = page_table(entry, indptr, indices, last_page_len, page_size, names)
     return torch.from_numpy(kv_lens)
 
 

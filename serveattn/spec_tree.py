@@ -30,14 +30,15 @@ def _as_list(entry: str, name: str, value) -> list:
     return [int(x) for x in items]
 
 
-def _ancestors(entry: str, i: int, parents) -> np.ndarray:
-    """bool [T, T]: row t marks node t's ancestors and t itself; parents validated."""
-    parents = _as_list(entry, f"parents_list[{i}]", parents)
+def _ancestors(entry: str, i: int, parents, name: str = "parents_list") -> np.ndarray:
+    """bool [T, T]: row t marks node t's ancestors and t itself; parents validated (`name`: the caller's
+    argument, in the sentences)."""
+    parents = _as_list(entry, f"{name}[{i}]", parents)
     T = len(parents)
     anc = np.zeros((T, T), dtype=bool)
     for t, par in enumerate(parents):
         if par < -1 or par >= t:
-            policy.refuse(entry, f"parents_list[{i}][{t}]={par}; a parent must be -1 (the root) or an "
+            policy.refuse(entry, f"{name}[{i}][{t}]={par}; a parent must be -1 (the root) or an "
                                  f"earlier node (0..{t - 1}).")
         if par >= 0:
             anc[t] = anc[par]
@@ -45,25 +46,26 @@ def _ancestors(entry: str, i: int, parents) -> np.ndarray:
     return anc
 
 
-def _parent_arrays(entry: str, parents_list) -> list:
+def _parent_arrays(entry: str, parents_list, name: str = "parents_list") -> list:
     if isinstance(parents_list, torch.Tensor) and parents_list.dim() == 2:
         parents_list = list(parents_list)
     try:
         return list(parents_list)
     except TypeError:
-        policy.refuse(entry, f"parents_list has type {type(parents_list).__name__}; expected a sequence of "
+        policy.refuse(entry, f"{name} has type {type(parents_list).__name__}; expected a sequence of "
                              f"parent arrays, one per request.")
 
 
-def tree_ancestor_bits(entry: str, parents_list, max_nodes: int = MAX_TREE_NODES):
+def tree_ancestor_bits(entry: str, parents_list, max_nodes: int = MAX_TREE_NODES, name: str = "parents_list"):
     """(sizes int64 [batch], bits int64 [sum(sizes)]) of a batch of tree drafts: bit j of node t's word is set
     when draft token j is t or one of its ancestors (bit 63 is the sign bit; kernels shift arithmetically and
-    test bit 0, so it reads back right). The kernels' native tree mode takes these instead of a dense mask."""
-    parents_list = _parent_arrays(entry, parents_list)
+    test bit 0, so it reads back right). The kernels' native tree mode takes these instead of a dense mask.
+    name: the caller's argument (the decode wrapper's tree_parents), in the sentences."""
+    parents_list = _parent_arrays(entry, parents_list, name)
     sizes, words = [], []
     weights = (np.ones(max_nodes, dtype=np.uint64) << np.arange(max_nodes, dtype=np.uint64))
     for i, parents in enumerate(parents_list):
-        anc = _ancestors(entry, i, parents)
+        anc = _ancestors(entry, i, parents, name)
         if len(anc) > max_nodes:
             policy.unsupported(entry, f"tree {i} has {len(anc)} draft tokens; the native tree mode serves at "
                                       f"most {max_nodes} per request (use a custom mask with the prefill "

@@ -140,7 +140,7 @@ def test_tree_refusals(device):
         w.plan(*args, q_data_type=torch.bfloat16, q_len_per_req=3, tree_parents=[[-1, 0, 0]])
     with pytest.raises(NotImplementedError, match="with tree_parents is not served: a tree token's position"):
         w.plan(*args, q_data_type=torch.bfloat16, pos_encoding_mode="ROPE_LLAMA", tree_parents=[[-1, 0, 0]])
-    with pytest.raises(ValueError, match="parents_list\\[0\\]\\[2\\]=2; a parent must be -1"):
+    with pytest.raises(ValueError, match="plan: tree_parents\\[0\\]\\[2\\]=2; a parent must be -1"):
         w.plan(*args, q_data_type=torch.bfloat16, tree_parents=[[-1, 0, 2]])
     with pytest.raises(ValueError, match="tree_parents has 2 parent arrays for a batch of 1"):
         w.plan(*args, q_data_type=torch.bfloat16, tree_parents=[[-1], [-1]])
