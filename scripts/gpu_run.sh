@@ -559,6 +559,15 @@ step_probe_q_held() {
   HOT_L2_SETTING=SERVEATTN_DECODE_Q_HELD=1 step_probe_fp8_hot_l2
 }
 
+ragged_fp8_bf16() {  # probe_decode_ragged.py on fp8 and bf16 caches (groups 4 / 8, 32 / 64 requests, two rounds)
+  # under the variants $1
+  local dtype
+  for dtype in float8_e4m3fn bfloat16; do
+    timeout 120 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 32,64 --rounds 2 \
+      --variants "$1"
+  done
+}
+
 # the fused fold called or inlined (SERVEATTN_DECODE_FOLD_CALL, on by default since session 44, H100-measured): fp8 /
 # bf16 decode 0 / 1 at shapes whose plans split and fold through the fused kernel (1x8192, 8x4096, 32x2048) and one
 # that does not (64x8192), alternating processes; then ragged fp8 and bf16 batches, the fold inlined and through
@@ -566,10 +575,7 @@ step_probe_q_held() {
 step_probe_fold_call() {
   {
     PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} ab_decode SERVEATTN_DECODE_FOLD_CALL
-    for dtype in float8_e4m3fn bfloat16; do
-      timeout 120 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 32,64 --rounds 2 \
-        --variants "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
-    done
+    ragged_fp8_bf16 "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fold-call.txt"
   return "${PIPESTATUS[0]}"
 }
@@ -588,10 +594,7 @@ step_probe_merge_rule() {  # kernels/decode.merge_kind re-read with the called f
           --cases ${PROBE_CASES:-1x8192,2x8192,8x4096,32x2048}
       done
     done
-    for dtype in bfloat16 float8_e4m3fn; do
-      timeout 120 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 32,64 --rounds 2 \
-        --variants "auto=;kv_heads=decode.MERGE_MODE:0;heads=decode.MERGE_MODE:heads;fused=decode.MERGE_MODE:1"
-    done
+    ragged_fp8_bf16 "auto=;kv_heads=decode.MERGE_MODE:0;heads=decode.MERGE_MODE:heads;fused=decode.MERGE_MODE:1"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-merge-rule.txt"
   return "${PIPESTATUS[0]}"
 }
