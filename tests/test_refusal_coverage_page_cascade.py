@@ -1,4 +1,4 @@
-"""Refusals in page.py (append, index helpers) and cascade.py (merges, cascade wrapper) that no other test reaches."""
+"""Refusals of page.py (append, index helpers) and cascade.py (merges, the cascade wrapper), each type and sentence."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Refusals of the speculative samplers and the tree-mask builder that other tests leave unreached."""
+"""Refusals of the speculative samplers and the tree-mask builder: argument types, seeds, vocab, devices."""
 import pytest
 import torch
 

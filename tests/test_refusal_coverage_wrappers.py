@@ -1,4 +1,5 @@
-"""Refusals of the attention wrappers and single-request calls that no other test reached (construction, plan, run)."""
+"""Refusals of the attention wrappers and single-request calls at construction, plan() and run(), each type and
+sentence (the cases scripts/refusal_audit.py found no other test raising)."""
 import numpy as np
 import pytest
 import torch

@@ -64,8 +64,9 @@ def _stamp_rows(LSE, program, slot: tl.constexpr, dep_rows, ASM: tl.constexpr):
 # and slots: from 8 rows (group 8, or a chain's drafts x group) and 16 chunks a request its wait outweighs a second
 # launch (H100, session 35, bandwidth / tensor-core route: group 8 1 x 16384 1.28 -> 0.90, 4 x 4096 1.00 -> 0.92;
 # at 8 chunks (8 x 4096) within 1% either way, at 4 (16 requests) fused 1-3% faster; group 4 at 32 chunks fused
-# 3% faster; docs/performance.md; measured with the fold inlined, before FOLD_CALL below: not re-tuned since). Each
-# kind's blocking is its own, so its bits are its own (each deterministic).
+# 3% faster; docs/performance.md; measured with the fold inlined. Re-read with FOLD_CALL below (H100, session 45,
+# 1-2 x 8192, 8 x 4096, 32 x 2048, groups 4 / 8, bf16 and fp8): the rule's choice fastest or level everywhere;
+# ragged batches not re-read). Each kind's blocking is its own, so its bits are its own (each deterministic).
 PER_HEAD_MERGE_MIN_ROWS = 8
 PER_HEAD_MERGE_MIN_CHUNKS = 16
 # SERVEATTN_DECODE_FUSED_MERGE (measuring only; read once here): "1" always fused, "0" always kv_heads, "heads"
@@ -135,7 +136,8 @@ Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 # H100 (session 44, scripts/probe_decode_ragged.py, docs/runs/2026-12-06T1724-h100-fold-call/): where a split
 # request's programs run nearly alone the called fold is 6-23% faster (fp8 ragged 32 requests, one of 29623 keys,
 # 0.3555 -> 0.3027 ms at group 4, 0.3579 -> 0.2761 at group 8; bf16 group 8 0.5011 -> 0.4354; fp8 under a CUDA graph
-# with 64 requests 0.2806 -> 0.2619), level elsewhere (0.984-1.005). Read at import, into each plan's launch memo.
+# with 64 requests 0.2806 -> 0.2619), level elsewhere (0.984-1.005; session 45: within 0.5% at 1 x 8192, 8 x 4096,
+# 32 x 2048, 64 x 8192). Read at import, into each plan's launch memo.
 FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1"
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
