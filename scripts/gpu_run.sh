@@ -583,9 +583,10 @@ step_probe_fold_call() {
 step_probe_merge_rule() {  # kernels/decode.merge_kind re-read with the called fold (its rule was measured with the fold
   # inlined, session 35): SERVEATTN_DECODE_FUSED_MERGE auto / 0 (merge_kernel a KV head) / heads at split shapes,
   # groups 4 and 8, fp8 and bf16 (probe_fp8 prints both), alternating processes, two rounds; then the ragged batches
+  # (MERGE_RULE_FIXED=0: the ragged batches only)
   local round mode
   {
-    for round in 1 2; do
+    [ "${MERGE_RULE_FIXED:-1}" = 0 ] || for round in 1 2; do
       for mode in auto 0 heads; do
         echo "== SERVEATTN_DECODE_FUSED_MERGE=$mode, round $round"
         SERVEATTN_DECODE_FUSED_MERGE=$mode timeout 90 python3 scripts/probe_fp8.py --backend triton \
