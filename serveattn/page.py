@@ -201,19 +201,17 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_la
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
         policy.refuse(entry, f"kv_indices holds page {bad} outside the cache's {num_pages} pages.")
+    batch = ip.numel() - 1
+    numbered = "there are no requests" if batch == 0 else "the one request is 0" if batch == 1 else \
+        f"requests are numbered 0..{batch - 1}"
+    if batch_indices.numel() and int(batch_indices.min()) < -1:
+        policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; {numbered}, and -1 marks padding.")
     live = batch_indices >= 0  # request -1: padding, not written (get_batch_indices_positions')
     if not bool(live.any()):
-        if batch_indices.numel() and int(batch_indices.min()) < -1:
-            policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; requests are numbered "
-                                 f"0..{ip.numel() - 2}, and -1 marks padding.")
         return
-    batch = ip.numel() - 1
-    if int(batch_indices.min()) < -1:
-        policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; requests are numbered 0..{batch - 1}, "
-                             f"and -1 marks padding.")
     b, pos = batch_indices[live].long(), positions[live].long()
     if int(b.max()) >= batch:
-        policy.refuse(entry, f"batch_indices holds {int(b.max())}; requests are numbered 0..{batch - 1}.")
+        policy.refuse(entry, f"batch_indices holds {int(b.max())}; {numbered}.")
     owned = (ip[1:] - ip[:-1])[b]
     outside = (pos < 0) | (pos // page_size >= owned)
     if bool(outside.any()):

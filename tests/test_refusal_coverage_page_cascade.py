@@ -49,9 +49,11 @@ APPEND_REFUSALS = [
      r"positions has 4 entries for 3 appended tokens\."),
     ("last_page_len_count", dict(kv_last_page_len=torch.tensor([3, 1], dtype=I32)),
      r"kv_last_page_len has 2 entries for a batch of 1 \(kv_indptr has 2\)\."),
-    # every token below -1 (none live): the early return's own check
+    # every token below -1 or padding (none live); a one-request batch names its one request
     ("batch_indices_below_padding", dict(batch_indices=torch.tensor([-2, -1, -3], dtype=I32)),
-     r"batch_indices holds -3; requests are numbered 0\.\.0, and -1 marks padding\."),
+     r"batch_indices holds -3; the one request is 0, and -1 marks padding\."),
+    ("batch_indices_past_one_request", dict(batch_indices=torch.tensor([0, 1, 0], dtype=I32)),
+     r"batch_indices holds 1; the one request is 0\."),
 ]
 
 
