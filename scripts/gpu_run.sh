@@ -519,8 +519,8 @@ step_probe_k_operand() {  # fp8 K widened in the mma operand (common.K_OPERAND):
 }
 
 ab_decode() {  # fp8 / bf16 decode (probe_fp8.py, bandwidth route) with switch $1 at 0 and 1 in alternating
-  # processes, two rounds
-  for round in 1 2; do
+  # processes, AB_ROUNDS rounds (2)
+  for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in 0 1; do
       echo "== $1=$value, round $round"
       env "$1=$value" timeout 90 python3 scripts/probe_fp8.py --backend triton \
@@ -588,7 +588,7 @@ step_probe_fold_call() {
 step_probe_one_item() {
   PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} probe_decode_switch SERVEATTN_DECODE_ONE_ITEM probe-one-item
   local rc=$?
-  ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
+  [ "${ONE_ITEM_RAGGED:-1}" = 1 ] && ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
     | tee -a "$OUT/probe-one-item.txt"
   return $(( rc | PIPESTATUS[0] ))
 }
