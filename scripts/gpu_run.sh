@@ -588,7 +588,8 @@ step_probe_fold_call() {
 step_probe_one_item() {
   PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} probe_decode_switch SERVEATTN_DECODE_ONE_ITEM probe-one-item
   local rc=$?
-  [ "${ONE_ITEM_RAGGED:-1}" = 1 ] && ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
+  [ "${ONE_ITEM_RAGGED:-1}" = 1 ] || return $rc
+  ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
     | tee -a "$OUT/probe-one-item.txt"
   return $(( rc | PIPESTATUS[0] ))
 }
