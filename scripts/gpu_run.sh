@@ -534,13 +534,14 @@ step_probe_off32() {  # int32 K/V offsets in the decode kernel (SERVEATTN_KV_OFF
   return "${PIPESTATUS[0]}"
 }
 
-probe_decode_switch() {  # the decode GPU tests with switch $1=1 (8 workers: 16 ran a verify test out of memory on
-  # an H100, session 38), then fp8 / bf16 decode 0 / 1 (ab_decode); the output in $OUT/$2.txt
+probe_decode_switch() {  # the decode GPU tests with switch $1=1 (SWITCH_TEST_WORKERS, 8: 16 ran a verify test out of
+  # memory on an H100, session 38; SWITCH_TESTS_TIMEOUT, 240 s), then fp8 / bf16 decode 0 / 1 (ab_decode); the
+  # output in $OUT/$2.txt
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
-      env "$1=1" timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider tests/test_fp8_kv.py \
-        tests/test_decode_gpu.py tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py \
-        2>&1 | tail -5
+      env "$1=1" timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" \
+        -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py tests/test_verify_gpu.py \
+        tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
     fi
     ab_decode "$1"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/$2.txt"
