@@ -202,16 +202,18 @@ def _check_targets(entry, batch_indices, positions, kv_indices, kv_indptr, kv_la
         bad = int(used.min()) if int(used.min()) < 0 else int(used.max())
         policy.refuse(entry, f"kv_indices holds page {bad} outside the cache's {num_pages} pages.")
     batch = ip.numel() - 1
-    numbered = "there are no requests" if batch == 0 else "the one request is 0" if batch == 1 else \
-        f"requests are numbered 0..{batch - 1}"
+
+    def numbered() -> str:  # the refusals' account of the batch (made only where one is raised)
+        return "there are no requests" if batch == 0 else "the one request is 0" if batch == 1 else \
+            f"requests are numbered 0..{batch - 1}"
     if batch_indices.numel() and int(batch_indices.min()) < -1:
-        policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; {numbered}, and -1 marks padding.")
+        policy.refuse(entry, f"batch_indices holds {int(batch_indices.min())}; {numbered()}, and -1 marks padding.")
     live = batch_indices >= 0  # request -1: padding, not written (get_batch_indices_positions')
     if not bool(live.any()):
         return
     b, pos = batch_indices[live].long(), positions[live].long()
     if int(b.max()) >= batch:
-        policy.refuse(entry, f"batch_indices holds {int(b.max())}; {numbered}.")
+        policy.refuse(entry, f"batch_indices holds {int(b.max())}; {numbered()}.")
     owned = (ip[1:] - ip[:-1])[b]
     outside = (pos < 0) | (pos // page_size >= owned)
     if bool(outside.any()):
