@@ -135,25 +135,26 @@ def test_cascade_workspace_must_be_a_tensor(workspace):
         serveattn.MultiLevelCascadeAttentionWrapper(2, workspace)
 
 
-def _two_levels(total_q):
-    """Plan arguments of a 2-level cascade: one request of total_q rows over a shared page, then a page of its own."""
-    qo = [torch.tensor([0, total_q], dtype=I32)] * 2
-    indptr = [torch.tensor([0, 1], dtype=I32)] * 2
-    indices = [torch.tensor([0], dtype=I32), torch.tensor([1], dtype=I32)]
-    last = [torch.tensor([PAGE], dtype=I32), torch.tensor([3], dtype=I32)]
+def _two_levels(total_q, device):
+    """Plan arguments of a 2-level cascade: one request of total_q rows over a shared page, then a page of its own
+    (on the GPU where there is one: backend='triton' plans CUDA tensors unless Triton interprets)."""
+    qo = [torch.tensor([0, total_q], dtype=I32, device=device)] * 2
+    indptr = [torch.tensor([0, 1], dtype=I32, device=device)] * 2
+    indices = [torch.tensor([0], dtype=I32, device=device), torch.tensor([1], dtype=I32, device=device)]
+    last = [torch.tensor([PAGE], dtype=I32, device=device), torch.tensor([3], dtype=I32, device=device)]
     return qo, indptr, indices, last, HEADS, HEADS, DIM, PAGE
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cascade_graph_replan_needs_larger_intermediates(backend):
+def test_cascade_graph_replan_needs_larger_intermediates(backend, device):
     """Under use_cuda_graph=True the intermediates of the first plan are kept; a re-plan with more
     query rows is refused (on the CPU, plan() alone reaches it: no run, so no level pins its captured q rows)."""
-    w = serveattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 16, dtype=torch.uint8), use_cuda_graph=True,
-                                                    backend=backend)
-    w.plan(*_two_levels(2))
-    w.plan(*_two_levels(1))  # fewer rows fit the first plan's intermediates
+    w = serveattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 16, dtype=torch.uint8, device=device),
+                                                    use_cuda_graph=True, backend=backend)
+    w.plan(*_two_levels(2, device))
+    w.plan(*_two_levels(1, device))  # fewer rows fit the first plan's intermediates
     with pytest.raises(ValueError, match=r"^MultiLevelCascadeAttentionWrapper\.plan: under use_cuda_graph=True the "
                                          r"re-plan needs intermediates of shape \(5, 2, 64\) \(torch\.float16\) but "
                                          r"the first plan sized them \(2, 2, 64\) \(torch\.float16\); plan the "
                                          r"largest batch first\."):
-        w.plan(*_two_levels(5))
+        w.plan(*_two_levels(5, device))
