@@ -58,7 +58,9 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1",
                       Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"  # the launch's choice
                       or (os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1" and kv.startswith("fp8")),
-                      FOLD_CALL=fused_merge and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1")
+                      FOLD_CALL=fused_merge and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1",
+                      # an eager launch's (a CUDA graph's fixed grid loops over the work list: =0)
+                      ONE_ITEM=os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1")
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 

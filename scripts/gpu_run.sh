@@ -40,6 +40,7 @@
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
 #   scripts/gpu_run.sh probe-fold-call         # the fused fold called (default) / inlined: fp8 / bf16 decode at split shapes, then ragged batches (~5 min)
+#   scripts/gpu_run.sh probe-one-item          # decode GPU tests, then SERVEATTN_DECODE_ONE_ITEM 0 / 1 at split shapes and ragged batches (~7 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -579,6 +580,19 @@ step_probe_fold_call() {
     ragged_fp8_bf16 "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fold-call.txt"
   return "${PIPESTATUS[0]}"
+}
+
+# eager decode grids without the loop over the work list (SERVEATTN_DECODE_ONE_ITEM, on by default since session 46):
+# the decode GPU tests, fp8 / bf16 decode 0 / 1 at shapes whose plans split and fold (1x8192, 8x4096, 32x2048) and
+# one that does not (64x8192), alternating processes; then ragged batches, the loop and merge_kernel a query head
+# against the default
+step_probe_one_item() {
+  PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} probe_decode_switch SERVEATTN_DECODE_ONE_ITEM probe-one-item
+  local rc=$?
+  [ "${ONE_ITEM_RAGGED:-1}" = 1 ] || return $rc
+  ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
+    | tee -a "$OUT/probe-one-item.txt"
+  return $(( rc | PIPESTATUS[0] ))
 }
 
 step_probe_merge_rule() {  # kernels/decode.merge_kind re-read with the called fold (its rule was measured with the fold
