@@ -60,7 +60,10 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       or (os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1" and kv.startswith("fp8")),
                       FOLD_CALL=fused_merge and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1",
                       # an eager launch's (a CUDA graph's fixed grid loops over the work list: =0)
-                      ONE_ITEM=os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1")
+                      ONE_ITEM=os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1",
+                      # the launch's choice where the loop stays (ONE_ITEM=0)
+                      ITEM_CALL=os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1" and fused_merge
+                      and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1" and not kv.startswith("fp8"))
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 

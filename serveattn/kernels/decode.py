@@ -149,6 +149,14 @@ FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1"
 # The same arithmetic a work item: the same bits. Read at import, into each plan's launch memo.
 ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 
+# SERVEATTN_DECODE_ITEM_CALL (=0: off, measuring only): where the loop over the work list stays (a CUDA graph's fixed
+# grid) and the fused fold is called inside it, each item runs in a called function, whose KV loop then carries
+# only its own state (the caller's is saved once an item, around the call). sm_90 SASS, 16-bit caches: bf16 group
+# 4 (16,64,2,4) 829 -> 781 instructions a block and warp, the one-request tile (16,64,2,7) 863 -> 816, group 8
+# 760 -> 744; not taken where it lengthens the loop: the plain kernel (780 -> 805) and fp8 caches (1007 -> 1018).
+# The same arithmetic an item: the same bits. Read at import, into each plan's launch memo.
+ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -183,7 +191,7 @@ def decode_kernel(
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
     F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False,
-    FOLD_CALL: tl.constexpr = False, ONE_ITEM: tl.constexpr = False,
+    FOLD_CALL: tl.constexpr = False, ONE_ITEM: tl.constexpr = False, ITEM_CALL: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -213,14 +221,25 @@ def decode_kernel(
     else:
         for w in range(w0, num_work, tl.num_programs(1)):
             # a later item (a grid smaller than the work list) is read now
-            _decode_item(
-                _item(work + w * ITEM, w != w0, item0), w == w0, kvh, num_work, traced,
-                Q, K, V, O, LSE, PART_O, PART_LSE,
-                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
-                qk_scale, sm_scale, soft_cap, window_left, v_scale,
-                NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
-                KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
+            item = _item(work + w * ITEM, w != w0, item0)
+            if ITEM_CALL and not TRACE:  # the item in a function of its own (ITEM_CALL above says why)
+                _decode_item_call(
+                    item, w == w0, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+                    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+                    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+                    NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP,
+                    RETURN_LSE, KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD,
+                    FOLD_CALL)
+            else:
+                _decode_item(
+                    item, w == w0, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+                    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+                    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+                    NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP,
+                    RETURN_LSE, KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD,
+                    FOLD_CALL)
     if TRACE:
         _stamp(LSE, traced, 6, kvh, _GLOBALTIMER)
         _stamp(LSE, traced, 7, kvh, _SMID)
@@ -323,6 +342,27 @@ def _decode_item(
         if TRACE:
             if first:
                 _stamp_rows(LSE, traced, 4, lse.to(tl.int32, bitcast=True), _CLOCK)
+
+
+@triton.jit(noinline=True)
+def _decode_item_call(  # _decode_item as a called function (ITEM_CALL): its KV loop's registers are its own
+    item, first, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr,
+    F16_SCORES: tl.constexpr, Q_HELD: tl.constexpr, FOLD_CALL: tl.constexpr,
+):
+    _decode_item(
+        item, first, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+        qk_scale, sm_scale, soft_cap, window_left, v_scale,
+        NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
+        KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
 
 
 def merge_slots(rows: int, head_dim: int) -> int:
@@ -473,6 +513,7 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1),
         FOLD_CALL=FOLD_CALL and fused, ONE_ITEM=ONE_ITEM and item_per_program,
+        ITEM_CALL=ITEM_CALL and FOLD_CALL and fused and not item_per_program and plan.kv_dtype.itemsize == 2,
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
