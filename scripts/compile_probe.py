@@ -63,7 +63,8 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       ONE_ITEM=os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1",
                       # the launch's choice where the loop stays (ONE_ITEM=0)
                       ITEM_CALL=os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1" and fused_merge
-                      and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1" and not kv.startswith("fp8"))
+                      and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1" and not kv.startswith("fp8")
+                      and head_dim <= 128 and q_len * group > 1)
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 

@@ -151,11 +151,19 @@ ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 
 # SERVEATTN_DECODE_ITEM_CALL (=0: off, measuring only): where the loop over the work list stays (a CUDA graph's fixed
 # grid) and the fused fold is called inside it, each item runs in a called function, whose KV loop then carries
-# only its own state (the caller's is saved once an item, around the call). sm_90 SASS, 16-bit caches: bf16 group
-# 4 (16,64,2,4) 829 -> 781 instructions a block and warp, the one-request tile (16,64,2,7) 863 -> 816, group 8
-# 760 -> 744; not taken where it lengthens the loop: the plain kernel (780 -> 805) and fp8 caches (1007 -> 1018).
-# The same arithmetic an item: the same bits. Read at import, into each plan's launch memo.
+# only its own state (the caller's is saved once an item, around the call). sm_90 SASS, bf16, a KV loop's
+# instructions a block and warp: head dim 128 group 4 (16,64,2,4) 829 -> 781, the one-request tile (16,64,2,7)
+# 863 -> 816, group 2 798 -> 778, group 8 760 -> 744, chain verify k=4 at group 8 1332 with 10 spill reloads ->
+# 1287 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the plain
+# kernel (780 -> 805), fp8 caches (1007 -> 1018), one row a KV head (group 1: 746 -> 773), head dim 256 (group 4
+# 968 -> 1024). The same arithmetic an item: the same bits. Read at import, into each plan's launch memo.
 ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
+
+
+def item_call(fused: bool, kv_itemsize: int, head_dim: int, rows: int) -> bool:
+    """Whether a looping grid's items run as called functions (ITEM_CALL above): the fused fold, a 16-bit cache, head
+    dim up to 128, more than one row (draft tokens x query heads) a KV head."""
+    return ITEM_CALL and FOLD_CALL and fused and kv_itemsize == 2 and head_dim <= 128 and rows > 1
 
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
@@ -513,7 +521,8 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1),
         FOLD_CALL=FOLD_CALL and fused, ONE_ITEM=ONE_ITEM and item_per_program,
-        ITEM_CALL=ITEM_CALL and FOLD_CALL and fused and not item_per_program and plan.kv_dtype.itemsize == 2,
+        ITEM_CALL=not item_per_program and item_call(fused, plan.kv_dtype.itemsize, plan.head_dim,
+                                                    plan.q_len * plan.group),
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
