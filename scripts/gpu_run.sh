@@ -599,9 +599,9 @@ step_probe_one_item() {
 # each item of a CUDA graph's loop over the work list in a called function where the fold is called inside it
 # (SERVEATTN_DECODE_ITEM_CALL, bf16 caches; on by default since session 47): the decode GPU tests with it on (the
 # graph tests run the loop), then bf16 decode under graphs (eager rows: ONE_ITEM's, the same code either way) at the
-# split shapes 1x8192, 8x4096, 32x2048, groups 4 and 8, and ragged bf16 batches, the item inlined against called
+# split shapes 1x8192, 8x4096, 32x2048, groups 4 and 8, and ragged bf16 batches (ITEM_CALL_RAGGED=0: not), the
+# item inlined against called
 step_probe_item_call() {
-  local rc=0
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
       SERVEATTN_DECODE_ITEM_CALL=1 timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q \
@@ -612,8 +612,10 @@ step_probe_item_call() {
       timeout 120 python3 scripts/probe_decode_ragged.py --dists "keys${shape#*x}" --batches "${shape%x*}" \
         --groups 4,8 --rounds 3 --variants "call=;inline=decode.ITEM_CALL:0"
     done
-    timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 32,64 --rounds 2 \
-      --variants "call=;inline=decode.ITEM_CALL:0"
+    if [ "${ITEM_CALL_RAGGED:-1}" = 1 ]; then
+      timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 32,64 --rounds 2 \
+        --variants "call=;inline=decode.ITEM_CALL:0"
+    fi
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-item-call.txt"
   return "${PIPESTATUS[0]}"
 }
