@@ -521,8 +521,9 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1),
         FOLD_CALL=FOLD_CALL and fused, ONE_ITEM=ONE_ITEM and item_per_program,
-        ITEM_CALL=not item_per_program and item_call(fused, plan.kv_dtype.itemsize, plan.head_dim,
-                                                    plan.q_len * plan.group),
+        # where the loop over the work list runs
+        ITEM_CALL=not (ONE_ITEM and item_per_program) and item_call(fused, plan.kv_dtype.itemsize, plan.head_dim,
+                                                                   plan.q_len * plan.group),
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
