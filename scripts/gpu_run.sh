@@ -605,8 +605,8 @@ step_probe_item_call() {
   {
     if [ "${PROBE_TESTS:-1}" = 1 ]; then
       SERVEATTN_DECODE_ITEM_CALL=1 timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q \
-        -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider tests/test_decode_gpu.py tests/test_verify_gpu.py \
-        tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
+        -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py \
+        tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
     fi
     for shape in 1x8192 8x4096 32x2048; do
       timeout 120 python3 scripts/probe_decode_ragged.py --dists "keys${shape#*x}" --batches "${shape%x*}" \
