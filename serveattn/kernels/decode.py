@@ -228,26 +228,16 @@ def decode_kernel(
                 KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
     else:
         for w in range(w0, num_work, tl.num_programs(1)):
-            # a later item (a grid smaller than the work list) is read now
-            item = _item(work + w * ITEM, w != w0, item0)
-            if ITEM_CALL and not TRACE:  # the item in a function of its own (ITEM_CALL above says why)
-                _decode_item_call(
-                    item, w == w0, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
-                    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
-                    qk_scale, sm_scale, soft_cap, window_left, v_scale,
-                    NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP,
-                    RETURN_LSE, KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD,
-                    FOLD_CALL)
-            else:
-                _decode_item(
-                    item, w == w0, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
-                    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
-                    qk_scale, sm_scale, soft_cap, window_left, v_scale,
-                    NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP,
-                    RETURN_LSE, KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD,
-                    FOLD_CALL)
+            # a later item (a grid smaller than the work list) is read now; it runs in a function of its own where
+            # ITEM_CALL takes it (ITEM_CALL above says why)
+            (_decode_item_call if ITEM_CALL and not TRACE else _decode_item)(
+                _item(work + w * ITEM, w != w0, item0), w == w0, kvh, num_work, traced,
+                Q, K, V, O, LSE, PART_O, PART_LSE,
+                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+                qk_scale, sm_scale, soft_cap, window_left, v_scale,
+                NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
+                KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
     if TRACE:
         _stamp(LSE, traced, 6, kvh, _GLOBALTIMER)
         _stamp(LSE, traced, 7, kvh, _SMID)
@@ -352,25 +342,8 @@ def _decode_item(
                 _stamp_rows(LSE, traced, 4, lse.to(tl.int32, bitcast=True), _CLOCK)
 
 
-@triton.jit(noinline=True)
-def _decode_item_call(  # _decode_item as a called function (ITEM_CALL): its KV loop's registers are its own
-    item, first, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
-    qk_scale, sm_scale, soft_cap, window_left, v_scale,
-    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr,
-    F16_SCORES: tl.constexpr, Q_HELD: tl.constexpr, FOLD_CALL: tl.constexpr,
-):
-    _decode_item(
-        item, first, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
-        stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
-        qk_scale, sm_scale, soft_cap, window_left, v_scale,
-        NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
-        KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
+# _decode_item as a called function (ITEM_CALL): its KV loop's registers are its own
+_decode_item_call = triton.jit(noinline=True)(_decode_item.fn)
 
 
 def merge_slots(rows: int, head_dim: int) -> int:
