@@ -153,10 +153,11 @@ ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 # grid) and the fused fold is called inside it, each item runs in a called function, whose KV loop then carries
 # only its own state (the caller's is saved once an item, around the call). sm_90 SASS, bf16, a KV loop's
 # instructions a block and warp: head dim 128 group 4 (16,64,2,4) 829 -> 781, the one-request tile (16,64,2,7)
-# 863 -> 816, group 2 798 -> 778, group 8 760 -> 744, chain verify k=4 at group 8 1332 with 10 spill reloads ->
-# 1287 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the plain
-# kernel (780 -> 805), fp8 caches (1007 -> 1018), one row a KV head (group 1: 746 -> 773), head dim 256 (group 4
-# 968 -> 1024). The same arithmetic an item: the same bits. Read at import, into each plan's launch memo.
+# 863 -> 816, group 2 798 -> 778, group 8 760 -> 744, chain verify k=4 at group 8 (32,64,4,4) 840 with 5 spill
+# reloads -> 821 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the
+# plain kernel (780 -> 805), fp8 caches (e4m3, (16,64,2,6): 1027 -> 1029), one row a KV head (group 1: 746 -> 773),
+# head dim 256 (group 4, (16,64,4,3): 968 -> 1024). The same arithmetic an item: the same bits. Read at import,
+# into each plan's launch memo.
 ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
 
 
