@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from serveattn.kernels.attention import prefill_kernel  # noqa: E402
-from serveattn.kernels.decode import decode_kernel, merge_slots, tile_rows  # noqa: E402
+from serveattn.kernels.decode import decode_kernel, item_call, merge_slots, tile_rows  # noqa: E402
 from serveattn.kernels.sizes import next_pow2  # noqa: E402
 from serveattn.kernels.common import LAUNCH_OPTIONS  # noqa: E402
 
@@ -58,7 +58,11 @@ def compile_decode(q, kv, out, head_dim, group, block_n, warps, stages, page_siz
                       F16_SCORES=os.environ.get("SERVEATTN_DECODE_F16_SCORES", "0") == "1",
                       Q_HELD=os.environ.get("SERVEATTN_DECODE_Q_HELD", "0") == "1"  # the launch's choice
                       or (os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1" and kv.startswith("fp8")),
-                      FOLD_CALL=fused_merge and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1")
+                      FOLD_CALL=fused_merge and os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1",
+                      # an eager launch's (a CUDA graph's fixed grid loops over the work list: =0)
+                      ONE_ITEM=os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1",
+                      # the launch's choice where the loop stays (ONE_ITEM=0)
+                      ITEM_CALL=item_call(fused_merge, 1 if kv.startswith("fp8") else 2, head_dim, q_len * group))
     return _compile(decode_kernel, constexprs, q, kv, out, warps, stages)
 
 

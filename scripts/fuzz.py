@@ -1546,6 +1546,10 @@ MEASURING = (
     # the fused fold inlined into the decode kernel (FOLD_CALL off; its default calls it: a GPU draw, the interpreter
     # runs both alike)
     ("fold_inline", decode_kernel, "FOLD_CALL", False, ("decode",), "fold-inline:{seed}"),
+    # eager decode grids through the strided loop over the work list (ONE_ITEM off; CUDA graphs always loop)
+    ("one_item_off", decode_kernel, "ONE_ITEM", False, ("decode",), "one-item:{seed}"),
+    # the strided loop's items inlined, not called (ITEM_CALL off; the loop runs under graphs or with ONE_ITEM off)
+    ("item_call_off", decode_kernel, "ITEM_CALL", False, ("decode",), "item-call:{seed}"),
     ("prefill_off32_all", attention_kernel, "PREFILL_OFF32_MIN_ROWS", 0, FAMILIES, "prefill-off32:{family}:{seed}"),
 )
 

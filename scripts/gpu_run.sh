@@ -40,6 +40,8 @@
 #   scripts/gpu_run.sh probe-f16-scores        # decode / fp8 GPU tests with SERVEATTN_DECODE_F16_SCORES=1, then fp8 / bf16 decode 0 vs 1 (~5 min)
 #   scripts/gpu_run.sh probe-q-held            # decode GPU tests with SERVEATTN_DECODE_Q_HELD=1, then fp8 / bf16 decode 0 vs 1, HBM and L2 (~6 min)
 #   scripts/gpu_run.sh probe-fold-call         # the fused fold called (default) / inlined: fp8 / bf16 decode at split shapes, then ragged batches (~5 min)
+#   scripts/gpu_run.sh probe-one-item          # decode GPU tests, then SERVEATTN_DECODE_ONE_ITEM 0 / 1 at split shapes and ragged batches (~7 min)
+#   scripts/gpu_run.sh probe-item-call         # decode GPU tests, then CUDA-graph bf16 decode SERVEATTN_DECODE_ITEM_CALL 1 / 0 at split shapes and ragged (~5 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -578,6 +580,43 @@ step_probe_fold_call() {
     PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} ab_decode SERVEATTN_DECODE_FOLD_CALL
     ragged_fp8_bf16 "call=;inline=decode.FOLD_CALL:0;kv_heads=decode.MERGE_MODE:0"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-fold-call.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+# eager decode grids without the loop over the work list (SERVEATTN_DECODE_ONE_ITEM, on by default since session 46):
+# the decode GPU tests, fp8 / bf16 decode 0 / 1 at shapes whose plans split and fold (1x8192, 8x4096, 32x2048) and
+# one that does not (64x8192), alternating processes; then ragged batches, the loop and merge_kernel a query head
+# against the default
+step_probe_one_item() {
+  PROBE_CASES=${PROBE_CASES:-1x8192,8x4096,32x2048,64x8192} probe_decode_switch SERVEATTN_DECODE_ONE_ITEM probe-one-item
+  local rc=$?
+  [ "${ONE_ITEM_RAGGED:-1}" = 1 ] || return $rc
+  ragged_fp8_bf16 "one=;loop=decode.ONE_ITEM:0;heads=decode.MERGE_MODE:heads" 2>&1 | grep -v "backend='auto'" \
+    | tee -a "$OUT/probe-one-item.txt"
+  return $(( rc | PIPESTATUS[0] ))
+}
+
+# each item of a CUDA graph's loop over the work list in a called function where the fold is called inside it
+# (SERVEATTN_DECODE_ITEM_CALL, bf16 caches; on by default since session 47): the decode GPU tests with it on (the
+# graph tests run the loop), then bf16 decode under graphs (eager rows: ONE_ITEM's, the same code either way) at the
+# split shapes 1x8192, 8x4096, 32x2048, groups 4 and 8, and ragged bf16 batches (ITEM_CALL_RAGGED=0: not), the
+# item inlined against called
+step_probe_item_call() {
+  {
+    if [ "${PROBE_TESTS:-1}" = 1 ]; then
+      SERVEATTN_DECODE_ITEM_CALL=1 timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q \
+        -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider tests/test_fp8_kv.py tests/test_decode_gpu.py \
+        tests/test_verify_gpu.py tests/test_decode.py tests/test_batch_invariance_gpu.py 2>&1 | tail -5
+    fi
+    for shape in 1x8192 8x4096 32x2048; do
+      timeout 120 python3 scripts/probe_decode_ragged.py --dists "keys${shape#*x}" --batches "${shape%x*}" \
+        --groups 4,8 --rounds 3 --variants "call=;inline=decode.ITEM_CALL:0"
+    done
+    if [ "${ITEM_CALL_RAGGED:-1}" = 1 ]; then
+      timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 32,64 --rounds 2 \
+        --variants "call=;inline=decode.ITEM_CALL:0"
+    fi
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-item-call.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -11,8 +11,9 @@ serveattn.kernels.decode read once at import (Q_HELD, FOLD_CALL, MERGE_MODE, ...
 variant plans and makes its first call (which fills the plan's launch memo), then put back.
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
-with one request of 32768 (outlier), one draw a (batch, distribution), on shuffled pages: the lengths and page
-table of `python -m serveattn.bench decode --ragged` (which times them against FlashInfer). Prints a row a case:
+with one request of 32768 (outlier), one draw a (batch, distribution), or are all N keys (--dists keysN), on
+shuffled pages: the lengths and page table of `python -m serveattn.bench decode --ragged` (which times them
+against FlashInfer). Prints a row a case:
 each variant's do_bench median (best of the rounds), its time over the first variant's (below 1: faster), and
 whether every variant's output equals the first's bitwise (a split changes the bits, as a split plan's do; an order alone must not).
 """
@@ -102,7 +103,9 @@ def main() -> None:
     print("| --- " * (6 + 2 * len(names) - 1) + "|")
     for dist in args.dists.split(","):
         for batch in map(int, args.batches.split(",")):
-            kv_lens = np.array(decode_bench.ragged_lengths(batch, dist))
+            # keysN: every request N keys (the uniform-length rows of bench decode, e.g. 32 x keys2048)
+            kv_lens = np.full(batch, int(dist[4:])) if dist.startswith("keys") else \
+                np.array(decode_bench.ragged_lengths(batch, dist))
             for group in map(int, args.groups.split(",")):
                 data = inputs(kv_lens, group, batch * 10 + group, kv_dtype)
                 for graph in (False, True):

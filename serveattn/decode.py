@@ -534,7 +534,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._graph_q_rows = q.shape[0]
         if grid0:
             decode_kernel.launch(q, k, v, out, lse, plan, self._kv_layout, grid0, merge_rows, k_scale, v_scale,
-                                 self._done_count, kv_strides)
+                                 self._done_count, kv_strides, exact_grid=not self._use_cuda_graph)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
@@ -799,5 +799,6 @@ def _single_decode_bandwidth(entry, q, k, v, kv_layout, window_left, logits_soft
     # completion counts only where a fold happens (an unsplit call launches no merge of either kind)
     fused = plan.merge == "fused" and plan.num_slots
     done = torch.zeros(num_kv_heads, dtype=torch.int32, device=q.device) if fused else None
-    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done)
+    decode_kernel.launch(q[None], k, v, out, lse, plan, kv_layout, grid0, merge_rows, k_scale, v_scale, done,
+                         exact_grid=True)
     return (out[0], lse[0]) if return_lse else out[0]

@@ -705,7 +705,7 @@ def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     results = _runs_under(monkeypatch, "OFF32_ENABLED", (False, True), b, device, fixed_split_size=split,
                           disable_split_kv=split is None)
     for off32, (_, _, w) in results.items():
-        assert [kind[-1] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
+        assert [kind[5] for kind in w._plan.launch_memo if isinstance(kind, tuple)] == [off32]
     _same_bits_and_the_reference(results, b)
 
 
@@ -743,6 +743,31 @@ def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
     assert not out.isnan().any() and not lse.isnan().any()
     for other in (results[1, torch.bfloat16], results[0, enc], results[0, torch.bfloat16]):
         assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+
+
+@pytest.mark.parametrize("merge", ["1", "heads"], ids=["fused-fold", "merge-kernel"])
+@pytest.mark.parametrize("split", [None, 64])
+def test_one_item_grid_keeps_the_bits(split, merge, device, monkeypatch):
+    """ONE_ITEM (kernels/decode, on for eager launches): a program reads its one work item with no loop over the
+    work list; the same bits as the strided loop (a CUDA graph's fixed grid), its items inlined or called
+    (ITEM_CALL), split or not, under either fold, bf16 and fp8 caches (the fp8 run still its dequantized copy's),
+    an empty request included, every row written."""
+    from serveattn.kernels import decode as decode_kernel
+    monkeypatch.setattr(decode_kernel, "MERGE_MODE", merge)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"one-item-{split}-{merge}".encode()))
+    kv_lens = [90, 0, 200, 33, 129, 64]
+    b = make_paged_batch(gen, qo_lens=[1] * len(kv_lens), kv_lens=kv_lens, num_qo_heads=8, num_kv_heads=2,
+                         head_dim=64, page_size=16, dtype=torch.float32, device=device)
+    b.cache, b.q = b.cache.to(torch.float8_e4m3fn), b.q.to(torch.bfloat16)
+    settings = [{"ONE_ITEM": False, "ITEM_CALL": False}, {"ONE_ITEM": False, "ITEM_CALL": True}, {"ONE_ITEM": True}]
+    results = fp8_decode_runs(monkeypatch, decode_kernel, settings, b, torch.float8_e4m3fn, (8, 2), 64, 1, device,
+                              dict(fixed_split_size=split, disable_split_kv=split is None))
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for i in (1, 2):
+            out, lse = results[i, kv_dtype]
+            assert not out.isnan().any() and not lse.isnan().any()
+            assert torch.equal(out, results[0, kv_dtype][0]) and torch.equal(lse, results[0, kv_dtype][1])
+    assert torch.equal(results[2, torch.float8_e4m3fn][0], results[2, torch.bfloat16][0])
 
 
 @pytest.mark.parametrize("group", [4, 1])

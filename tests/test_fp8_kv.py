@@ -325,13 +325,14 @@ def test_q_held_keeps_q_out_of_the_kv_loop(kv, tiles, tmp_path):
 @pytest.mark.parametrize("kv,tiles", [("fp8e4nv", "16,64,2,6"), ("bf16", "16,64,2,4")], ids=["e4m3", "bf16"])
 def test_fold_call_keeps_the_fused_kv_loop_short(kv, tiles, tmp_path):
     """FOLD_CALL (kernels/decode, on by default), sm_90 on this CPU: the decode kernel with the fused fold calls the
-    fold as a function of its own (a .func in the PTX) instead of inlining it, and the KV loop that the kernel runs
-    for every block comes out shorter than with the fold inlined (whose values squeezed its registers), unspilled."""
+    fold as a function of its own (a .func in the PTX) instead of inlining it, and where the kernel loops over the
+    work list (a CUDA graph's fixed grid: ONE_ITEM off) the KV loop that it runs for every block comes out shorter
+    than with the fold inlined (whose values squeezed its registers), unspilled."""
     hot, sass_loops = {}, script_module("sass_loops")
     for call in ("0", "1"):
         out = tmp_path / f"{kv}-call{call}"
         compile_for_sm90(out, "--kernel", "decode", "--kv", kv, "--tiles", tiles, "--group", "4", "--fused-merge",
-                         SERVEATTN_DECODE_FOLD_CALL=call)
+                         SERVEATTN_DECODE_FOLD_CALL=call, SERVEATTN_DECODE_ONE_ITEM="0")
         ptx = (out / "decode.ptx").read_text()
         assert (re.search(r"^\.func .*_merge_request", ptx, re.M) is not None) == (call == "1")
         bodies = [body for _, _, body in sass_loops.loops(str(out / "decode.sass"))
@@ -339,6 +340,29 @@ def test_fold_call_keeps_the_fused_kv_loop_short(kv, tiles, tmp_path):
         hot[call] = min(bodies, key=len)
         assert not any(t.split()[0].startswith(("LDL", "STL")) for t in hot[call])
     assert len(hot["1"]) < len(hot["0"]) * 0.99
+
+
+def test_one_item_grid_keeps_the_fused_kv_loop_short(tmp_path):
+    """ONE_ITEM (kernels/decode, eager launches), sm_90 on this CPU: without the loop over the work list nothing
+    is live across the called fold, and bf16 group 4's fused-fold kernel (the split plans of one to 32 requests)
+    runs a KV loop as short as the plain kernel's (761 instructions a block against 780), not the looping kernel's
+    (829, with 44 register moves to its 27), unspilled. Where the loop stays (a CUDA graph's fixed grid), ITEM_CALL
+    runs each item in a called function: 781."""
+    hot, sass_loops = {}, script_module("sass_loops")
+    for name, one_item, item_call, fused in (("loop", "0", "0", True), ("call", "0", "1", True),
+                                             ("one", "1", "0", True), ("plain", "0", "0", False)):
+        out = tmp_path / name
+        compile_for_sm90(out, "--kernel", "decode", "--kv", "bf16", "--tiles", "16,64,2,4", "--group", "4",
+                         *(("--fused-merge",) if fused else ()), SERVEATTN_DECODE_ONE_ITEM=one_item,
+                         SERVEATTN_DECODE_ITEM_CALL=item_call)
+        bodies = [body for _, _, body in sass_loops.loops(str(out / "decode.sass"))
+                  if sum("MUFU.EX2" in t for t in body) >= 8]
+        hot[name] = min(bodies, key=len)
+        assert not any(t.split()[0].startswith(("LDL", "STL")) for t in hot[name])
+    moves = lambda body: sum(t.split()[0] == "MOV" for t in body)  # noqa: E731
+    assert len(hot["one"]) <= len(hot["plain"]) < len(hot["loop"]) * 0.96
+    assert len(hot["call"]) < len(hot["loop"]) * 0.96
+    assert moves(hot["one"]) < moves(hot["loop"]) and moves(hot["call"]) < moves(hot["loop"])
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -140,6 +140,32 @@ Q_HELD_FP8 = os.environ.get("SERVEATTN_DECODE_Q_HELD_FP8", "1") == "1"
 # 32 x 2048, 64 x 8192). Read at import, into each plan's launch memo.
 FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1"
 
+# SERVEATTN_DECODE_ONE_ITEM (=0: off, measuring only): where the grid holds a program for every work item (eager
+# launches; not a CUDA graph's fixed grid, nor a list past the grid's 65535 programs) the kernel reads its one item
+# with no loop over the work list. A called fold inside that loop keeps the loop's state live across the call, and
+# ptxas then moves registers around the KV loop too: sm_90, bf16 group 4 (16,64,2,4) 829 instructions a block and
+# warp with the fold called in the loop, 769 without the loop (the plain kernel 780 -> 784); the one-request tile
+# (16,64,2,7) 863 -> 796; bf16 group 8 760 -> 754; e4m3 under Q_HELD 1027 -> 1037 (234 registers instead of 252).
+# The same arithmetic a work item: the same bits. Read at import, into each plan's launch memo.
+ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
+
+# SERVEATTN_DECODE_ITEM_CALL (=0: off, measuring only): where the loop over the work list stays (a CUDA graph's fixed
+# grid) and the fused fold is called inside it, each item runs in a called function, whose KV loop then carries
+# only its own state (the caller's is saved once an item, around the call). sm_90 SASS, bf16, a KV loop's
+# instructions a block and warp: head dim 128 group 4 (16,64,2,4) 829 -> 781, the one-request tile (16,64,2,7)
+# 863 -> 816, group 2 798 -> 778, group 8 760 -> 744, chain verify k=4 at group 8 (32,64,4,4) 840 with 5 spill
+# reloads -> 821 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the
+# plain kernel (780 -> 805), fp8 caches (e4m3, (16,64,2,6): 1027 -> 1029), one row a KV head (group 1: 746 -> 773),
+# head dim 256 (group 4, (16,64,4,3): 968 -> 1024). The same arithmetic an item: the same bits. Read at import,
+# into each plan's launch memo.
+ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
+
+
+def item_call(fused: bool, kv_itemsize: int, head_dim: int, rows: int) -> bool:
+    """Whether a looping grid's items run as called functions (ITEM_CALL above): the fused fold, a 16-bit cache, head
+    dim up to 128, more than one row (draft tokens x query heads) a KV head."""
+    return ITEM_CALL and FOLD_CALL and fused and kv_itemsize == 2 and head_dim <= 128 and rows > 1
+
 # int32 a work item: request, kv lo, kv hi, slot, the request's KV start, KV length, first slot, slot count
 ITEM_INTS = 8
 ITEM: tl.constexpr = tl.constexpr(ITEM_INTS)
@@ -174,7 +200,7 @@ def decode_kernel(
     K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr, QLEN: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr = False,
     F16_SCORES: tl.constexpr = False, Q_HELD: tl.constexpr = False,
-    FOLD_CALL: tl.constexpr = False,
+    FOLD_CALL: tl.constexpr = False, ONE_ITEM: tl.constexpr = False, ITEM_CALL: tl.constexpr = False,
 ):
     # KV heads on the grid's first (fastest) axis: under CUDA graphs the work axis is a fixed size larger than
     # the work list, and CTAs go out in linear order, so the working programs go out first and spread over
@@ -182,13 +208,6 @@ def decode_kernel(
     kvh = tl.program_id(0)
     qk_scale, sm_scale, v_scale = _device_scales(qk_scale, sm_scale, v_scale, k_scale_ptr, v_scale_ptr,
                                                  K_SCALE_PTR, V_SCALE_PTR)
-    r = tl.arange(0, GROUP_PAD)
-    row_ok = r < QLEN * GROUP
-    tok = r // GROUP  # the row's draft token (0 for decode)
-    head = kvh * GROUP + r % GROUP
-    d = tl.arange(0, HEAD_DIM)
-    # F16_SCORES applies to an fp8 cache under a bf16 query
-    FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
     # A program's first work item is read together with the work count, not after it (the buffer holds an item
     # for every program: eager grids are exact, the CUDA-graph buffer is sized to its grid), and an item carries
     # its request's KV start and length: two DRAM trips fewer before the first K/V tile is asked for.
@@ -199,87 +218,133 @@ def decode_kernel(
     _stamp(LSE, traced, 0, kvh, _GLOBALTIMER)
     _stamp(LSE, traced, 1, kvh, _CLOCK)
     _stamp(LSE, traced, 2, item0[0] + num_work + item0[4], _CLOCK)
-    for w in range(w0, num_work, tl.num_programs(1)):
-        # a later item (a grid smaller than the work list) is read now; slot -1: the request is not split (write
-        # the output); kv_base: its first page (or token)
-        req, lo, hi, slot, kv_base, kv_len, first_slot, num_slots = _item(work + w * ITEM, w != w0, item0)
-        hi = tl.minimum(hi, kv_len)
-        delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, (delta - window_left) // BLOCK_N * BLOCK_N)
-
-        q_tok = req.to(tl.int64) * QLEN + tok  # the row's index in q, out and lse
-        q_row = q_tok * stride_qb + head.to(tl.int64) * stride_qh
-        q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-        HELD: tl.constexpr = Q_HELD and K_OPERAND and HEAD_DIM <= 128  # head dim 256's q spills held (bf16)
-        if K_OPERAND and (HELD or not K.dtype.element_ty.is_fp8()):
-            # q.K^T on the fp8 tile's k-slots (common.K_OPERAND); under Q_HELD for both dtypes
-            q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
-                                            mask=row_ok[:, None], other=0))
-        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        if HELD:  # q's operand loaded into registers here, not in the loop (Q_HELD)
-            marker = tl.dot(q, tl.full([HEAD_DIM, BLOCK_N], sm_scale, Q.dtype.element_ty))
-            m_i = tl.where(num_work < 0, tl.max(marker, 1), m_i)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        use16 = False
-        if FAST_QK:
-            # F16_SCORES: a query tile that f16 holds exactly takes q.K^T in f16 (the same products and fp32 sums
-            # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
-            # value past f16's range or below its precision, a NaN) takes bf16's
-            use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
-        for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
-                KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
-                use16=use16)
-
-        out, lse = _finish(acc, l_i, m_i, v_scale)
-        if TRACE:
-            if w == w0:
-                _stamp_rows(LSE, traced, 3, l_i.to(tl.int32, bitcast=True), _CLOCK)
-        if slot >= 0:  # a slot holds QLEN partial rows per query head
-            s_row = (slot.to(tl.int64) * QLEN + tok) * NUM_QO_HEADS + head
-            tl.store(PART_O + s_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
-            tl.store(PART_LSE + s_row, lse, mask=row_ok)
-            if FUSED_MERGE:
-                # The program that writes a (request, KV head)'s last chunk folds them all, in chunk order (the
-                # same bits whichever program finishes last), and resets the count for the next launch. The
-                # barrier orders every thread's partial stores before the count's release (CUTLASS's semaphore).
-                tl.debug_barrier()
-                count = done_count + req * (NUM_QO_HEADS // GROUP) + kvh
-                done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-                if TRACE:
-                    if w == w0:
-                        _stamp(LSE, traced, 4, done, _CLOCK)
-                if done == num_slots - 1:
-                    tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                    if FOLD_CALL and not TRACE:  # a called function returns no tensor: traces inline it
-                        _merge_request_call(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
-                                            stride_ob, stride_oh, stride_lb, stride_lh,
-                                            NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
-                    else:
-                        folded = _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
-                                                stride_ob, stride_oh, stride_lb, stride_lh,
-                                                NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE and not TRACE,
-                                                QLEN, MERGE_SLOTS)
-                    if TRACE:
-                        if w == w0:
-                            _stamp_rows(LSE, traced, 5, folded.to(tl.int32, bitcast=True), _CLOCK)
-        else:
-            o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
-            tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
-            if RETURN_LSE and not TRACE:
-                tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
-            if TRACE:
-                if w == w0:
-                    _stamp_rows(LSE, traced, 4, lse.to(tl.int32, bitcast=True), _CLOCK)
+    if ONE_ITEM:  # an exact grid: a program an item, no loop over the work list (ONE_ITEM above says why)
+        if w0 < num_work:
+            _decode_item(
+                item0, True, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+                qk_scale, sm_scale, soft_cap, window_left, v_scale,
+                NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
+                KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
+    else:
+        for w in range(w0, num_work, tl.num_programs(1)):
+            # a later item (a grid smaller than the work list) is read now; it runs in a function of its own where
+            # ITEM_CALL takes it (ITEM_CALL above says why)
+            (_decode_item_call if ITEM_CALL and not TRACE else _decode_item)(
+                _item(work + w * ITEM, w != w0, item0), w == w0, kvh, num_work, traced,
+                Q, K, V, O, LSE, PART_O, PART_LSE,
+                stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+                qk_scale, sm_scale, soft_cap, window_left, v_scale,
+                NUM_QO_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, HAS_WINDOW, SOFT_CAP, RETURN_LSE,
+                KV_SAME_STRIDES, QLEN, FUSED_MERGE, MERGE_ROWS, MERGE_SLOTS, OFF32, F16_SCORES, Q_HELD, FOLD_CALL)
     if TRACE:
         _stamp(LSE, traced, 6, kvh, _GLOBALTIMER)
         _stamp(LSE, traced, 7, kvh, _SMID)
+
+
+@triton.jit
+def _decode_item(
+    item, first, kvh, num_work, traced, Q, K, V, O, LSE, PART_O, PART_LSE,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ob, stride_oh, stride_lb, stride_lh, kv_indices, done_count,
+    qk_scale, sm_scale, soft_cap, window_left, v_scale,
+    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr, RETURN_LSE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr, QLEN: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, OFF32: tl.constexpr,
+    F16_SCORES: tl.constexpr, Q_HELD: tl.constexpr, FOLD_CALL: tl.constexpr,
+):
+    """decode_kernel's work item (request, kv_lo, kv_hi, slot, KV start, KV length, first slot, slots) for KV head
+    kvh: slot -1, the request is not split (write the output); kv_base, its first page (or token). first: the
+    program's first item (TRACE stamps only that one)."""
+    req, lo, hi, slot, kv_base, kv_len, first_slot, num_slots = item
+    r = tl.arange(0, GROUP_PAD)
+    row_ok = r < QLEN * GROUP
+    tok = r // GROUP  # the row's draft token (0 for decode)
+    head = kvh * GROUP + r % GROUP
+    d = tl.arange(0, HEAD_DIM)
+    # F16_SCORES applies to an fp8 cache under a bf16 query
+    FAST_QK: tl.constexpr = F16_SCORES and K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16
+    hi = tl.minimum(hi, kv_len)
+    delta = kv_len - QLEN  # draft token t sits at position delta + t (decode: the last position)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (delta - window_left) // BLOCK_N * BLOCK_N)
+
+    q_tok = req.to(tl.int64) * QLEN + tok  # the row's index in q, out and lse
+    q_row = q_tok * stride_qb + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_row[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    HELD: tl.constexpr = Q_HELD and K_OPERAND and HEAD_DIM <= 128  # head dim 256's q spills held (bf16)
+    if K_OPERAND and (HELD or not K.dtype.element_ty.is_fp8()):
+        # q.K^T on the fp8 tile's k-slots (common.K_OPERAND); under Q_HELD for both dtypes
+        q = with_8bit_origin(q, tl.load(Q.to(tl.pointer_type(tl.int8)) + q_row[:, None] + d[None, :],
+                                        mask=row_ok[:, None], other=0))
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    if HELD:  # q's operand loaded into registers here, not in the loop (Q_HELD)
+        marker = tl.dot(q, tl.full([HEAD_DIM, BLOCK_N], sm_scale, Q.dtype.element_ty))
+        m_i = tl.where(num_work < 0, tl.max(marker, 1), m_i)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    use16 = False
+    if FAST_QK:
+        # F16_SCORES: a query tile that f16 holds exactly takes q.K^T in f16 (the same products and fp32 sums
+        # as bf16's; the fp8 K tile widens to f16 in one conversion a pair, not four); any other tile (a
+        # value past f16's range or below its precision, a NaN) takes bf16's
+        use16 = tl.sum(tl.sum((q.to(tl.float16).to(tl.float32) != q.to(tl.float32)).to(tl.int32), 1), 0) == 0
+    for n0 in range(lo, hi, BLOCK_N):  # every block masked: its bounds, a chain's draft keys, any window
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q, n0, K, V, kv_indices, kv_base, hi, kvh,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            tok, row_ok, delta, qk_scale, sm_scale, soft_cap, window_left, K, 0, 0, 0.0, 1.0, V, 0, 0, 0,
+            HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGED, True, QLEN > 1, False, HAS_WINDOW, SOFT_CAP, False,
+            KV_SAME_STRIDES, False, False, K_IN_OPERAND=K_OPERAND, OFF32=OFF32, SCORES_F16=FAST_QK,
+            use16=use16)
+
+    out, lse = _finish(acc, l_i, m_i, v_scale)
+    if TRACE:
+        if first:
+            _stamp_rows(LSE, traced, 3, l_i.to(tl.int32, bitcast=True), _CLOCK)
+    if slot >= 0:  # a slot holds QLEN partial rows per query head
+        s_row = (slot.to(tl.int64) * QLEN + tok) * NUM_QO_HEADS + head
+        tl.store(PART_O + s_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+        tl.store(PART_LSE + s_row, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # The program that writes a (request, KV head)'s last chunk folds them all, in chunk order (the
+            # same bits whichever program finishes last), and resets the count for the next launch. The
+            # barrier orders every thread's partial stores before the count's release (CUTLASS's semaphore).
+            tl.debug_barrier()
+            count = done_count + req * (NUM_QO_HEADS // GROUP) + kvh
+            done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if TRACE:
+                if first:
+                    _stamp(LSE, traced, 4, done, _CLOCK)
+            if done == num_slots - 1:
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+                if FOLD_CALL and not TRACE:  # a called function returns no tensor: traces inline it
+                    _merge_request_call(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
+                                        stride_ob, stride_oh, stride_lb, stride_lh,
+                                        NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE, QLEN, MERGE_SLOTS)
+                else:
+                    folded = _merge_request(PART_O, PART_LSE, O, LSE, first_slot, num_slots, req, kvh,
+                                            stride_ob, stride_oh, stride_lb, stride_lh,
+                                            NUM_QO_HEADS, GROUP, MERGE_ROWS, HEAD_DIM, RETURN_LSE and not TRACE,
+                                            QLEN, MERGE_SLOTS)
+                if TRACE:
+                    if first:
+                        _stamp_rows(LSE, traced, 5, folded.to(tl.int32, bitcast=True), _CLOCK)
+    else:
+        o_row = q_tok * stride_ob + head.to(tl.int64) * stride_oh
+        tl.store(O + o_row[:, None] + d[None, :], to_dtype(out, O.dtype.element_ty), mask=row_ok[:, None])
+        if RETURN_LSE and not TRACE:
+            tl.store(LSE + q_tok * stride_lb + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        if TRACE:
+            if first:
+                _stamp_rows(LSE, traced, 4, lse.to(tl.int32, bitcast=True), _CLOCK)
+
+
+# _decode_item as a called function (ITEM_CALL): its KV loop's registers are its own
+_decode_item_call = triton.jit(noinline=True)(_decode_item.fn)
 
 
 def merge_slots(rows: int, head_dim: int) -> int:
@@ -357,10 +422,11 @@ def merge_kernel(
 
 
 def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int, k_scale=None, v_scale=None,
-           done_count=None, kv_stride_args=None):
+           done_count=None, kv_stride_args=None, exact_grid: bool = False):
     """Decode launch, and the merge launch when the plan splits any request, unless done_count (int32 zeros, one
     per request and KV head, left zero by every launch) lets the decode kernel fold each split request itself.
-    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here."""
+    kv_stride_args: kv_strides of k, the same for v (a caller that keeps them per cache), else read here.
+    exact_grid: grid0 is the plan's work count (an eager launch), not a fixed grid that later plans reuse."""
     ks, ks_ptr, ks_dev, vs, vs_ptr, vs_dev = kv_scale_args(k_scale, v_scale, plan.work)
     if kv_stride_args is None:
         sk = kv_strides(k, kv_layout, plan.paged)
@@ -374,7 +440,7 @@ def launch(q, k, v, out, lse, plan, kv_layout: str, grid0: int, merge_rows: int,
     fused = plan.merge == "fused" and bool(merge_rows)
     assert done_count is not None or not fused, "a fused fold needs the wrapper's completion counts"
     # what follows from the plan and this call's kind alone is made once per plan (run() is paid every step)
-    kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv, off32)
+    kind = (fused, lse is not None, ks_dev, vs_dev, sk == sv, off32, exact_grid and grid0 <= 65535)
     memo = plan.launch_memo.get(kind)
     if memo is None:
         memo = plan.launch_memo[kind] = _launch_memo(plan, *kind)
@@ -415,7 +481,7 @@ def _fixed_positions(num_plan_args: int, ks_dev: bool, vs_dev: bool):
 
 
 def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool, kv_same_strides: bool,
-                 off32: bool):
+                 off32: bool, item_per_program: bool):
     """(the plan's schedule arguments, decode_kernel's keywords, merge_kernel's keywords) for one kind of call."""
     group_pad = tile_rows(plan.q_len, plan.group)
     merge_rows_pad = next_pow2(plan.q_len * plan.group)
@@ -428,7 +494,10 @@ def _launch_memo(plan, fused: bool, return_lse: bool, ks_dev: bool, vs_dev: bool
         KV_SAME_STRIDES=kv_same_strides, K_SCALE_PTR=ks_dev, V_SCALE_PTR=vs_dev, QLEN=plan.q_len,
         FUSED_MERGE=fused, MERGE_ROWS=merge_rows_pad, OFF32=off32, F16_SCORES=F16_SCORES,
         Q_HELD=Q_HELD or (Q_HELD_FP8 and plan.kv_dtype.itemsize == 1),
-        FOLD_CALL=FOLD_CALL and fused,
+        FOLD_CALL=FOLD_CALL and fused, ONE_ITEM=ONE_ITEM and item_per_program,
+        # where the loop over the work list runs
+        ITEM_CALL=not (ONE_ITEM and item_per_program) and item_call(fused, plan.kv_dtype.itemsize, plan.head_dim,
+                                                                   plan.q_len * plan.group),
         # the merge kernel's blocking, so the fold is the same arithmetic in both (its 4-warp register budget fits
         # 2 warps too once the KV loop's registers are free: sm_90 SASS spills only a few loop-invariant values,
         # outside the loop)
