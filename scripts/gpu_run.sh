@@ -583,7 +583,7 @@ step_probe_fold_call() {
   return "${PIPESTATUS[0]}"
 }
 
-# eager decode grids without the loop over the work list (SERVEATTN_DECODE_ONE_ITEM, on by default since session 46):
+# eager decode grids without the loop over the work list (SERVEATTN_DECODE_ONE_ITEM, on by default since session 49):
 # the decode GPU tests, fp8 / bf16 decode 0 / 1 at shapes whose plans split and fold (1x8192, 8x4096, 32x2048) and
 # one that does not (64x8192), alternating processes; then ragged batches, the loop and merge_kernel a query head
 # against the default
@@ -597,7 +597,7 @@ step_probe_one_item() {
 }
 
 # each item of a CUDA graph's loop over the work list in a called function where the fold is called inside it
-# (SERVEATTN_DECODE_ITEM_CALL, bf16 caches; on by default since session 47): the decode GPU tests with it on (the
+# (SERVEATTN_DECODE_ITEM_CALL, bf16 caches; on by default since session 49): the decode GPU tests with it on (the
 # graph tests run the loop), then bf16 decode under graphs (eager rows: ONE_ITEM's, the same code either way) at the
 # split shapes 1x8192, 8x4096, 32x2048, groups 4 and 8, and ragged bf16 batches (ITEM_CALL_RAGGED=0: not), the
 # item inlined against called

@@ -146,7 +146,9 @@ FOLD_CALL = os.environ.get("SERVEATTN_DECODE_FOLD_CALL", "1") == "1"
 # ptxas then moves registers around the KV loop too: sm_90, bf16 group 4 (16,64,2,4) 829 instructions a block and
 # warp with the fold called in the loop, 769 without the loop (the plain kernel 780 -> 784); the one-request tile
 # (16,64,2,7) 863 -> 796; bf16 group 8 760 -> 754; e4m3 under Q_HELD 1027 -> 1037 (234 registers instead of 252).
-# The same arithmetic a work item: the same bits. Read at import, into each plan's launch memo.
+# The same arithmetic a work item: the same bits. On by default since session 49 (H200, eager, alternating processes:
+# e4m3 1x8192 0.0201 -> 0.0186 ms, bf16 and the other split shapes within 1%; docs/performance.md). Read at import,
+# into each plan's launch memo.
 ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 
 # SERVEATTN_DECODE_ITEM_CALL (=0: off, measuring only): where the loop over the work list stays (a CUDA graph's fixed
@@ -156,8 +158,10 @@ ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 # 863 -> 816, group 2 798 -> 778, group 8 760 -> 744, chain verify k=4 at group 8 (32,64,4,4) 840 with 5 spill
 # reloads -> 821 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the
 # plain kernel (780 -> 805), fp8 caches (e4m3, (16,64,2,6): 1027 -> 1029), one row a KV head (group 1: 746 -> 773),
-# head dim 256 (group 4, (16,64,4,3): 968 -> 1024). The same arithmetic an item: the same bits. Read at import,
-# into each plan's launch memo.
+# head dim 256 (group 4, (16,64,4,3): 968 -> 1024). The same arithmetic an item: the same bits. On by default since
+# session 49: H200, bf16 group 4 under CUDA graphs, inlined / called 1.009-1.028 at the split shapes, 1.04-1.14 on
+# ragged batches of 32 and 64 requests; group 8 level (docs/runs/2026-12-07T0550-h200-probe-item-call.txt). Read at
+# import, into each plan's launch memo.
 ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
 
 
