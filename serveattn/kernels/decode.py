@@ -159,7 +159,7 @@ ONE_ITEM = os.environ.get("SERVEATTN_DECODE_ONE_ITEM", "1") == "1"
 # reloads -> 821 with none, head dim 64 group 4 488 -> 469. Not taken where it lengthens the loop (item_call): the
 # plain kernel (780 -> 805), fp8 caches (e4m3, (16,64,2,6): 1027 -> 1029), one row a KV head (group 1: 746 -> 773),
 # head dim 256 (group 4, (16,64,4,3): 968 -> 1024). The same arithmetic an item: the same bits. On by default since
-# session 49: H200, bf16 group 4 under CUDA graphs, inlined / called 1.009-1.028 at the split shapes, 1.04-1.14 on
+# session 49: H200, bf16 group 4 under CUDA graphs, inlined / called 1.003-1.028 at the split shapes, 1.01-1.14 on
 # ragged batches of 32 and 64 requests; group 8 level (docs/runs/2026-12-07T0550-h200-probe-item-call.txt). Read at
 # import, into each plan's launch memo.
 ITEM_CALL = os.environ.get("SERVEATTN_DECODE_ITEM_CALL", "1") == "1"
