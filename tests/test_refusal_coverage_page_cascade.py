@@ -136,8 +136,8 @@ def test_cascade_workspace_must_be_a_tensor(workspace):
 
 
 def _two_levels(total_q, device):
-    """Plan arguments of a 2-level cascade: one request of total_q rows over a shared page, then a page of its own
-    (on the GPU where there is one: backend='triton' plans CUDA tensors unless Triton interprets)."""
+    """Plan arguments of a 2-level cascade on `device`: one request of total_q rows over a shared page, then a page
+    of its own."""
     qo = [torch.tensor([0, total_q], dtype=I32, device=device)] * 2
     indptr = [torch.tensor([0, 1], dtype=I32, device=device)] * 2
     indices = [torch.tensor([0], dtype=I32, device=device), torch.tensor([1], dtype=I32, device=device)]
@@ -148,7 +148,9 @@ def _two_levels(total_q, device):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cascade_graph_replan_needs_larger_intermediates(backend, device):
     """Under use_cuda_graph=True the intermediates of the first plan are kept; a re-plan with more
-    query rows is refused (on the CPU, plan() alone reaches it: no run, so no level pins its captured q rows)."""
+    query rows is refused (on the CPU, plan() alone reaches it: no run, so no level pins its captured q rows).
+    backend='triton' plans on the test device; 'torch' on the CPU (under CUDA graphs it is refused on CUDA)."""
+    device = device if backend == "triton" else "cpu"
     w = serveattn.MultiLevelCascadeAttentionWrapper(2, torch.empty(1 << 16, dtype=torch.uint8, device=device),
                                                     use_cuda_graph=True, backend=backend)
     w.plan(*_two_levels(2, device))
