@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import _single_prefill, ragged_chunk, split_paged_cache
+from .prefill import _single_prefill, ragged_chunk, split_paged_cache, uneven_chunk
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -166,6 +166,8 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
             splits = min(splits, max_slots)
         chunk = max(min_chunk, -(-max_kv // splits))
         chunk = -(-chunk // block_n) * block_n
+        chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, block_n,
+                             int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT))), _split_limits)
     return chunk if chunk < max_kv else None
 
 

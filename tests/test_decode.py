@@ -142,6 +142,27 @@ def test_ragged_split_of_a_full_gpu(monkeypatch):
     assert chunk(outlier) == 2048  # the default
 
 
+def test_ragged_split_of_a_small_batch(monkeypatch):
+    """A batch too small to fill the GPU cuts its longest request into as many chunks as fill it, unless that leaves
+    a chunk of more than twice a program's share (one long request among short ones): then the ragged cut
+    (prefill.uneven_chunk). SERVEATTN_DECODE_RAGGED_SPLIT=0 keeps the even cut; equal lengths never change."""
+    from serveattn.decode import choose_chunk
+
+    def chunk(kv_lens, heads=8):
+        return choose_chunk(np.array(kv_lens), heads, 132, 64, None, False)
+    outlier = [1024] * 31 + [32768]  # 256 programs; per_program (31 x 1024 + 32768) x 8 // 264 = 1954 keys
+    assert (chunk(outlier), chunk([1024] * 15 + [32768])) == (1024, 1024)
+    assert chunk([100] * 3 + [20000]) == 640  # per_program 615: 256, but at most 32 chunks of 20000
+    assert chunk([4096] * 7 + [8192]) == 1024  # per_program 1117: 2 x 1117 > 1024, the even cut holds
+    monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "0")
+    assert (chunk(outlier), chunk([100] * 3 + [20000])) == (16384, 1280)
+    even = {}
+    for heads, batch, kv in itertools.product((1, 2, 8), (1, 2, 3, 7, 16, 32), (1, 63, 257, 1000, 4096, 32768)):
+        even[heads, batch, kv] = chunk([kv] * batch, heads)
+    monkeypatch.delenv("SERVEATTN_DECODE_RAGGED_SPLIT")
+    assert all(chunk([kv] * batch, heads) == c for (heads, batch, kv), c in even.items())
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_work_items_carry_their_requests_kv(chunk):
     """Each work item holds what the kernel would otherwise read after it (a dependent trip to memory): its
