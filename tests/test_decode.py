@@ -254,12 +254,12 @@ def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
 def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
     """Unforced, a split request is folded in the decode kernel below 8 rows a KV head (group x draft tokens); from 8
     rows by merge_kernel a query head a program where a request has 16 chunks or more, or where the batch must not
-    decide (the fused fold is serial in its rows and chunks; docs/performance.md)."""
+    decide (fixed_split_size; the fused fold is serial in its rows and chunks; docs/performance.md)."""
     from serveattn.kernels import decode as decode_kernel
 
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", "auto")
     kind = decode_kernel.merge_kind
-    # the batch may not decide (CUDA graphs, fixed_split_size): the rows alone
+    # the batch may not decide (fixed_split_size): the rows alone
     assert [kind(g, 1, None) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
     assert kind(4, 2, None) == kind(1, 8, None) == "heads" and kind(1, 7, None) == "fused"
     # a default plan: from 16 chunks a request (the fused fold's wait grows with rows x chunks)
@@ -269,6 +269,19 @@ def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
     for mode, forced in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
         monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
         assert kind(8, 1, None) == kind(1, 1, np.array([32])) == kind(8, 1, np.array([2])) == forced
+
+
+def test_cuda_graph_plans_pick_the_merge_by_their_capacity():
+    """Under CUDA graphs the fold follows the batch the graph was captured for: the chunks a long request gets when
+    the batch fills the capacity (H200: 132 SMs, 264 programs the split's target), so group 8 takes merge_kernel a
+    query head up to 4 requests of 8 KV heads (16 chunks or more) and the fused fold from 8 (8 chunks, 2 at 32, the
+    ragged split's regime from 33)."""
+    from serveattn.kernels import decode as decode_kernel
+    chunks = [int(decode.capacity_chunks(cap, 8, 132)[0]) for cap in (1, 2, 4, 5, 8, 32, 33, 256)]
+    assert chunks == [32, 32, 16, 8, 8, 2, 0, 0]
+    kinds = [decode_kernel.merge_kind(8, 1, decode.capacity_chunks(cap, 8, 132)) for cap in (1, 4, 5, 32, 64)]
+    assert kinds == ["heads", "heads", "fused", "fused", "fused"]
+    assert decode_kernel.merge_kind(4, 1, decode.capacity_chunks(1, 8, 132)) == "fused"  # 4 rows: fused always
 
 
 def test_default_plans_pick_the_merge_by_their_chunks(device, monkeypatch):
