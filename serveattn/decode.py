@@ -177,14 +177,27 @@ def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarr
     long request into when the batch fills the capacity, [0] where that batch fills the GPU (the ragged split then
     cuts only the requests far longer than the batch's share). H100, session 46 (docs/performance.md): group 8 under
     a graph, 32 requests of ragged e4m3 caches folded 3-15% faster fused than through merge_kernel a query head,
-    which the rows alone chose; 64 with one 32768-key request 2% slower."""
-    programs = batch_cap * num_kv_heads
-    target = _programs_per_sm() * num_sms
-    if programs >= target:
-        return np.zeros(1, dtype=np.int32)
-    splits = 1 << (-(-target // programs) - 1).bit_length()
-    max_slots = _split_limits()[1]
-    return np.array([min(splits, max_slots) if max_slots > 0 else splits], dtype=np.int32)
+    which the rows alone chose; 64 with one 32768-key request 2% slower. Memoized (every graph re-plan asks): a
+    read-only array."""
+    key = (batch_cap, num_kv_heads, num_sms, knobs.snapshot(_SPLIT_KNOBS))
+    chunks = _CAPACITY_CHUNKS.get(key)
+    if chunks is None:
+        programs = batch_cap * num_kv_heads
+        target = _programs_per_sm() * num_sms
+        splits = 0  # a batch that fills the GPU: the ragged split cuts only requests far over its share
+        if programs < target:
+            splits = 1 << (-(-target // programs) - 1).bit_length()
+            max_slots = _split_limits()[1]
+            splits = min(splits, max_slots) if max_slots > 0 else splits
+        chunks = np.array([splits], dtype=np.int32)
+        chunks.flags.writeable = False
+        _CAPACITY_CHUNKS[key] = chunks
+    return chunks
+
+
+# the switches capacity_chunks reads (its memo's key), and the memo
+_SPLIT_KNOBS = ("SERVEATTN_DECODE_PROGRAMS_PER_SM", "SERVEATTN_DECODE_MIN_CHUNK", "SERVEATTN_DECODE_MAX_SLOTS")
+_CAPACITY_CHUNKS: dict = {}
 
 
 def _split_limits():

@@ -284,6 +284,20 @@ def test_cuda_graph_plans_pick_the_merge_by_their_capacity():
     assert decode_kernel.merge_kind(4, 1, decode.capacity_chunks(1, 8, 132)) == "fused"  # 4 rows: fused always
 
 
+def test_capacity_chunks_memo_follows_the_split_switches(monkeypatch):
+    """capacity_chunks is memoized (each CUDA-graph re-plan asks) on its arguments and the split switches it reads:
+    the same read-only array again, a new answer once a switch changes."""
+    first = decode.capacity_chunks(4, 8, 132)
+    assert decode.capacity_chunks(4, 8, 132) is first and not first.flags.writeable
+    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "8")
+    assert int(decode.capacity_chunks(4, 8, 132)[0]) == 8
+    monkeypatch.setenv("SERVEATTN_DECODE_PROGRAMS_PER_SM", "1")
+    assert int(decode.capacity_chunks(4, 8, 132)[0]) == 8 and int(decode.capacity_chunks(17, 8, 132)[0]) == 0
+    monkeypatch.delenv("SERVEATTN_DECODE_MAX_SLOTS")
+    monkeypatch.delenv("SERVEATTN_DECODE_PROGRAMS_PER_SM")
+    assert decode.capacity_chunks(4, 8, 132) is first
+
+
 def test_default_plans_pick_the_merge_by_their_chunks(device, monkeypatch):
     """Group 8 without a fixed split (the H200's 132 SMs): one long request cut into many chunks is folded by
     merge_kernel, a batch whose requests have few chunks by the decode kernel; both give the reference's result with
