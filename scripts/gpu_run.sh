@@ -630,7 +630,7 @@ step_probe_pending() {
   {
     timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider \
       tests/test_decode_gpu.py tests/test_decode.py tests/test_prefill_split.py tests/test_fp8_kv.py \
-      tests/test_verify_gpu.py 2>&1 | tail -5
+      tests/test_verify_gpu.py tests/test_refusal_coverage_page_cascade.py 2>&1 | tail -5
     local rc=${PIPESTATUS[0]}  # the step's status: the tests' (this group is the pipeline's subshell)
     timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 8,16,32 --rounds 2 \
       --variants "new=;even=SERVEATTN_DECODE_RAGGED_SPLIT:0"
