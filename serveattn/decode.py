@@ -155,20 +155,22 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         programs = kv_lens.size * num_kv_heads
         target = _programs_per_sm() * num_sms
         max_kv = int(kv_lens.max())
+        divisor = int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT)))
         if programs >= target:
-            return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n,
-                                int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT))), _split_limits)
-        # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
-        # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
-        splits = 1 << (-(-target // programs) - 1).bit_length()
+            return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
         min_chunk, max_slots = _split_limits()
-        if max_slots > 0:
-            splits = min(splits, max_slots)
-        chunk = max(min_chunk, -(-max_kv // splits))
+        chunk = max(min_chunk, -(-max_kv // _even_splits(programs, target, max_slots)))
         chunk = -(-chunk // block_n) * block_n
-        chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, block_n,
-                             int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT))), _split_limits)
+        chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
     return chunk if chunk < max_kv else None
+
+
+def _even_splits(programs: int, target: int, max_slots: int) -> int:
+    """The chunks a request is cut into where `programs` (under `target`) leave the GPU part idle: a power of two,
+    so chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of 512, 0.057 ms, instead of
+    5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*), at most max_slots (0: no cap)."""
+    splits = 1 << (-(-target // programs) - 1).bit_length()
+    return min(splits, max_slots) if max_slots > 0 else splits
 
 
 def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarray:
@@ -184,11 +186,8 @@ def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarr
     if chunks is None:
         programs = batch_cap * num_kv_heads
         target = _programs_per_sm() * num_sms
-        splits = 0  # a batch that fills the GPU: the ragged split cuts only requests far over its share
-        if programs < target:
-            splits = 1 << (-(-target // programs) - 1).bit_length()
-            max_slots = _split_limits()[1]
-            splits = min(splits, max_slots) if max_slots > 0 else splits
+        # a batch that fills the GPU: 0 (the ragged split cuts only requests far over its share)
+        splits = _even_splits(programs, target, _split_limits()[1]) if programs < target else 0
         chunks = np.array([splits], dtype=np.int32)
         chunks.flags.writeable = False
         _CAPACITY_CHUNKS[key] = chunks
