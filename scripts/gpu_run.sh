@@ -42,6 +42,7 @@
 #   scripts/gpu_run.sh probe-fold-call         # the fused fold called (default) / inlined: fp8 / bf16 decode at split shapes, then ragged batches (~5 min)
 #   scripts/gpu_run.sh probe-one-item          # decode GPU tests, then SERVEATTN_DECODE_ONE_ITEM 0 / 1 at split shapes and ragged batches (~7 min)
 #   scripts/gpu_run.sh probe-item-call         # decode GPU tests, then CUDA-graph bf16 decode SERVEATTN_DECODE_ITEM_CALL 1 / 0 at split shapes and ragged (~5 min)
+#   scripts/gpu_run.sh probe-pending           # next/pending: decode / split GPU tests, small ragged batches' split new vs even, the graph fold rule (~6-8 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -617,6 +618,29 @@ step_probe_item_call() {
         --variants "call=;inline=decode.ITEM_CALL:0"
     fi
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-item-call.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+# next/pending's two host-side changes in one call: (1) a batch too small to fill the GPU takes the ragged cut where the
+# even cut leaves a chunk over twice a program's share (prefill.uneven_chunk; SERVEATTN_DECODE_RAGGED_SPLIT=0 and
+# SERVEATTN_PREFILL_RAGGED_SPLIT=0 give the even cut back), (2) CUDA-graph plans choose the fold by the capacity's
+# chunks (decode.capacity_chunks). The decode / split GPU tests, then ragged batches of 8-32 new against even (bf16,
+# both routes), then (PENDING_MERGE=1, the default) the fold forced each way against auto, fp8 and bf16. ~6-8 min
+step_probe_pending() {
+  {
+    timeout "${SWITCH_TESTS_TIMEOUT:-240}" python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider \
+      tests/test_decode_gpu.py tests/test_decode.py tests/test_prefill_split.py tests/test_fp8_kv.py \
+      tests/test_verify_gpu.py tests/test_refusal_coverage_page_cascade.py 2>&1 | tail -5
+    local rc=${PIPESTATUS[0]}  # the step's status: the tests' (this group is the pipeline's subshell)
+    timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 8,16,32 --rounds 2 \
+      --variants "new=;even=SERVEATTN_DECODE_RAGGED_SPLIT:0"
+    timeout 90 python3 scripts/probe_decode_ragged.py --tensor-cores --groups 4 --batches 4,8 --rounds 2 \
+      --variants "new=;even=SERVEATTN_PREFILL_RAGGED_SPLIT:0"
+    if [ "${PENDING_MERGE:-1}" = 1 ]; then
+      ragged_fp8_bf16 "auto=;kv_heads=decode.MERGE_MODE:0;heads=decode.MERGE_MODE:heads;fused=decode.MERGE_MODE:1"
+    fi
+    exit "$rc"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-pending.txt"
   return "${PIPESTATUS[0]}"
 }
 

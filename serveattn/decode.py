@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import _single_prefill, ragged_chunk, split_paged_cache
+from .prefill import _single_prefill, ragged_chunk, split_paged_cache, uneven_chunk
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -155,18 +155,48 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         programs = kv_lens.size * num_kv_heads
         target = _programs_per_sm() * num_sms
         max_kv = int(kv_lens.max())
+        divisor = int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT)))
         if programs >= target:
-            return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n,
-                                int(knobs.get("SERVEATTN_DECODE_RAGGED_SPLIT", str(RAGGED_SPLIT))), _split_limits)
-        # a power of two: chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of
-        # 512, 0.057 ms, instead of 5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*)
-        splits = 1 << (-(-target // programs) - 1).bit_length()
+            return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
         min_chunk, max_slots = _split_limits()
-        if max_slots > 0:
-            splits = min(splits, max_slots)
-        chunk = max(min_chunk, -(-max_kv // splits))
+        chunk = max(min_chunk, -(-max_kv // _even_splits(programs, target, max_slots)))
         chunk = -(-chunk // block_n) * block_n
+        chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
     return chunk if chunk < max_kv else None
+
+
+def _even_splits(programs: int, target: int, max_slots: int) -> int:
+    """The chunks a request is cut into where `programs` (under `target`) leave the GPU part idle: a power of two,
+    so chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of 512, 0.057 ms, instead of
+    5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*), at most max_slots (0: no cap)."""
+    splits = 1 << (-(-target // programs) - 1).bit_length()
+    return min(splits, max_slots) if max_slots > 0 else splits
+
+
+def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarray:
+    """Under CUDA graphs the fold is fixed at capture, so it follows the batch the graph was captured for (a
+    FlashInfer graph wrapper's batch size is fixed; ours is at most the capacity): the chunks choose_chunk cuts a
+    long request into when the batch fills the capacity, [0] where that batch fills the GPU (the ragged split then
+    cuts only the requests far longer than the batch's share). H100, session 46 (docs/performance.md): group 8 under
+    a graph, 32 requests of ragged e4m3 caches folded 3-15% faster fused than through merge_kernel a query head,
+    which the rows alone chose; 64 with one 32768-key request 2% slower. Memoized (every graph re-plan asks): a
+    read-only array."""
+    key = (batch_cap, num_kv_heads, num_sms, knobs.snapshot(_SPLIT_KNOBS))
+    chunks = _CAPACITY_CHUNKS.get(key)
+    if chunks is None:
+        programs = batch_cap * num_kv_heads
+        target = _programs_per_sm() * num_sms
+        # a batch that fills the GPU: 0 (the ragged split cuts only requests far over its share)
+        splits = _even_splits(programs, target, _split_limits()[1]) if programs < target else 0
+        chunks = np.array([splits], dtype=np.int32)
+        chunks.flags.writeable = False
+        _CAPACITY_CHUNKS[key] = chunks
+    return chunks
+
+
+# the switches capacity_chunks reads (its memo's key), and the memo
+_SPLIT_KNOBS = ("SERVEATTN_DECODE_PROGRAMS_PER_SM", "SERVEATTN_DECODE_MIN_CHUNK", "SERVEATTN_DECODE_MAX_SLOTS")
+_CAPACITY_CHUNKS: dict = {}
 
 
 def _split_limits():
@@ -628,7 +658,8 @@ def make_decode_plan(entry, device, kv_lens, num_qo_heads, num_kv_heads, head_di
         req_first_slot=first_slot, req_num_slots=num_slots, kv_indptr=kv_indptr, kv_indices=kv_indices,
         last_page_len=last_page_len, q_len=q_len, merge=decode_kernel.merge_kind(
             num_qo_heads // num_kv_heads, q_len,
-            None if fixed_split_size is not None or batch_cap is not None else num_slots))
+            None if fixed_split_size is not None else num_slots if batch_cap is None else
+            capacity_chunks(batch_cap, num_kv_heads, _num_sms(device))))
 
 
 def _dtypes(entry, q_data_type, kv_data_type, o_data_type):

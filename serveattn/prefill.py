@@ -252,6 +252,8 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
         splits = 1 << (-(-target // programs) - 1).bit_length()  # a power of two: even chunks of even lengths
         chunk = max(SPLIT_MIN_CHUNK, -(-max_kv // splits))
     chunk = -(-chunk // tiles.block_n) * tiles.block_n
+    if not forced and ragged > 0 and num_items <= len(kv_lens):  # decode-shaped: a long request among short ones
+        chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, tiles.block_n, ragged, _ragged_limits)
     return chunk if chunk < max_kv else None
 
 
@@ -271,6 +273,21 @@ def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_
                 -(-max_kv // max_chunks) if max_chunks > 0 else 0)
     chunk = -(-chunk // block_n) * block_n
     return chunk if chunk < max_kv else None
+
+
+def uneven_chunk(even_chunk: int, kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_n: int,
+                 divisor: int, limits) -> int:
+    """The chunk of a batch too small to fill the GPU: even_chunk (the longest request cut into as many chunks as
+    make in_flight programs, fit for equal lengths), or the ragged cut (ragged_chunk) where even_chunk carries more
+    than twice a program's share of the batch's keys: one long request among short ones (1 x 32768 beside 31 x 1024
+    kept 2 chunks of 16384, one program each streaming 8 MB, 7x the batch's copy floor; H200, session 49). Equal
+    lengths keep even_chunk: it is at most a share plus a tile's rounding, or MIN_CHUNK or a request's max_chunks-th
+    part, which bound the cut too."""
+    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
+    if even_chunk <= 2 * per_program:
+        return even_chunk  # equal lengths always (even_chunk is at most about one program's share)
+    cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits)
+    return even_chunk if cut is None else min(even_chunk, cut)
 
 
 def _ragged_limits():

@@ -142,6 +142,27 @@ def test_ragged_split_of_a_full_gpu(monkeypatch):
     assert chunk(outlier) == 2048  # the default
 
 
+def test_ragged_split_of_a_small_batch(monkeypatch):
+    """A batch too small to fill the GPU cuts its longest request into as many chunks as fill it, unless that leaves
+    a chunk of more than twice a program's share (one long request among short ones): then the ragged cut
+    (prefill.uneven_chunk). SERVEATTN_DECODE_RAGGED_SPLIT=0 keeps the even cut; equal lengths never change."""
+    from serveattn.decode import choose_chunk
+
+    def chunk(kv_lens, heads=8):
+        return choose_chunk(np.array(kv_lens), heads, 132, 64, None, False)
+    outlier = [1024] * 31 + [32768]  # 256 programs; per_program (31 x 1024 + 32768) x 8 // 264 = 1954 keys
+    assert (chunk(outlier), chunk([1024] * 15 + [32768])) == (1024, 1024)
+    assert chunk([100] * 3 + [20000]) == 640  # per_program 615: 256, but at most 32 chunks of 20000
+    assert chunk([4096] * 7 + [8192]) == 1024  # per_program 1117: 2 x 1117 > 1024, the even cut holds
+    monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "0")
+    assert (chunk(outlier), chunk([100] * 3 + [20000])) == (16384, 1280)
+    even = {}
+    for heads, batch, kv in itertools.product((1, 2, 8), (1, 2, 3, 7, 16, 32), (1, 63, 257, 1000, 4096, 32768)):
+        even[heads, batch, kv] = chunk([kv] * batch, heads)
+    monkeypatch.delenv("SERVEATTN_DECODE_RAGGED_SPLIT")
+    assert all(chunk([kv] * batch, heads) == c for (heads, batch, kv), c in even.items())
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_work_items_carry_their_requests_kv(chunk):
     """Each work item holds what the kernel would otherwise read after it (a dependent trip to memory): its
@@ -233,12 +254,12 @@ def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
 def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
     """Unforced, a split request is folded in the decode kernel below 8 rows a KV head (group x draft tokens); from 8
     rows by merge_kernel a query head a program where a request has 16 chunks or more, or where the batch must not
-    decide (the fused fold is serial in its rows and chunks; docs/performance.md)."""
+    decide (fixed_split_size; the fused fold is serial in its rows and chunks; docs/performance.md)."""
     from serveattn.kernels import decode as decode_kernel
 
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", "auto")
     kind = decode_kernel.merge_kind
-    # the batch may not decide (CUDA graphs, fixed_split_size): the rows alone
+    # the batch may not decide (fixed_split_size): the rows alone
     assert [kind(g, 1, None) for g in (1, 2, 4, 8, 16)] == ["fused"] * 3 + ["heads"] * 2
     assert kind(4, 2, None) == kind(1, 8, None) == "heads" and kind(1, 7, None) == "fused"
     # a default plan: from 16 chunks a request (the fused fold's wait grows with rows x chunks)
@@ -248,6 +269,33 @@ def test_merge_kind_follows_the_rows_a_kv_head(monkeypatch):
     for mode, forced in (("1", "fused"), ("0", "kv_heads"), ("heads", "heads")):
         monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
         assert kind(8, 1, None) == kind(1, 1, np.array([32])) == kind(8, 1, np.array([2])) == forced
+
+
+def test_cuda_graph_plans_pick_the_merge_by_their_capacity():
+    """Under CUDA graphs the fold follows the batch the graph was captured for: the chunks a long request gets when
+    the batch fills the capacity (H200: 132 SMs, 264 programs the split's target), so group 8 takes merge_kernel a
+    query head up to 4 requests of 8 KV heads (16 chunks or more) and the fused fold from 8 (8 chunks, 2 at 32, the
+    ragged split's regime from 33)."""
+    from serveattn.kernels import decode as decode_kernel
+    chunks = [int(decode.capacity_chunks(cap, 8, 132)[0]) for cap in (1, 2, 4, 5, 8, 32, 33, 256)]
+    assert chunks == [32, 32, 16, 8, 8, 2, 0, 0]
+    kinds = [decode_kernel.merge_kind(8, 1, decode.capacity_chunks(cap, 8, 132)) for cap in (1, 4, 5, 32, 64)]
+    assert kinds == ["heads", "heads", "fused", "fused", "fused"]
+    assert decode_kernel.merge_kind(4, 1, decode.capacity_chunks(1, 8, 132)) == "fused"  # 4 rows: fused always
+
+
+def test_capacity_chunks_memo_follows_the_split_switches(monkeypatch):
+    """capacity_chunks is memoized (each CUDA-graph re-plan asks) on its arguments and the split switches it reads:
+    the same read-only array again, a new answer once a switch changes."""
+    first = decode.capacity_chunks(4, 8, 132)
+    assert decode.capacity_chunks(4, 8, 132) is first and not first.flags.writeable
+    monkeypatch.setenv("SERVEATTN_DECODE_MAX_SLOTS", "8")
+    assert int(decode.capacity_chunks(4, 8, 132)[0]) == 8
+    monkeypatch.setenv("SERVEATTN_DECODE_PROGRAMS_PER_SM", "1")
+    assert int(decode.capacity_chunks(4, 8, 132)[0]) == 8 and int(decode.capacity_chunks(17, 8, 132)[0]) == 0
+    monkeypatch.delenv("SERVEATTN_DECODE_MAX_SLOTS")
+    monkeypatch.delenv("SERVEATTN_DECODE_PROGRAMS_PER_SM")
+    assert decode.capacity_chunks(4, 8, 132) is first
 
 
 def test_default_plans_pick_the_merge_by_their_chunks(device, monkeypatch):

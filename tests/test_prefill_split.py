@@ -274,6 +274,23 @@ def test_ragged_split_rule(monkeypatch):
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 4096
 
 
+def test_ragged_split_of_a_small_decode_shaped_plan(monkeypatch):
+    """A decode-shaped plan too small to fill the GPU cuts its longest request evenly into as many chunks as fill it,
+    unless a chunk would carry more than twice a program's share (prefill.uneven_chunk): then the ragged cut.
+    SERVEATTN_PREFILL_RAGGED_SPLIT=0 keeps the even cut; equal lengths and prefill-shaped plans never change."""
+    tiles = prefill.TileConfig(16, 64, 4, 2)
+    kv = np.array([64] * 3 + [65536])  # 32 programs: 8 even chunks of 8192; per_program 65728 x 8 // 132 = 3983
+    qo = np.ones(4, dtype=np.int64)
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 2048  # 3983 / 2: 1024, but at most 32 chunks
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 5) == 16384  # more tiles than requests: 40 programs, even
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "0")
+    assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 8192
+    even = {(b, k): prefill.split_chunk(np.ones(b), np.full(b, k), 4, tiles, 8, 132, b)
+            for b in (1, 2, 3, 5, 8) for k in (1, 100, 1000, 4096, 32768, 100000)}
+    monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_SPLIT")
+    assert all(prefill.split_chunk(np.ones(b), np.full(b, k), 4, tiles, 8, 132, b) == c for (b, k), c in even.items())
+
+
 @pytest.mark.parametrize("mode", ["decode", "tree"])
 def test_ragged_split_on_the_decode_tensor_core_route(mode, device, monkeypatch):
     """The decode wrapper's tensor-core route under SERVEATTN_PREFILL_RAGGED_SPLIT=2 on a ragged batch that fills

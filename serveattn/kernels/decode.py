@@ -76,9 +76,9 @@ MERGE_MODE = os.environ.get("SERVEATTN_DECODE_FUSED_MERGE", "auto")
 
 def merge_kind(group: int, q_len: int, chunks: Optional[np.ndarray]) -> str:
     """The fold of a plan's split requests. chunks: each request's chunk count (0: unsplit), read only where the
-    rows allow a merge launch (plan() is paid every step); None where the batch must not decide, so the rows alone
-    do: under CUDA graphs (the captured launches hold for every re-plan) and for fixed_split_size (a request's
-    bits must not depend on its batch)."""
+    rows allow a merge launch (plan() is paid every step; under CUDA graphs, where the captured launches hold for
+    every re-plan, the chunks of a batch that fills the capacity: decode.capacity_chunks); None for
+    fixed_split_size (a request's bits must not depend on its batch), so the rows alone decide."""
     forced = {"1": "fused", "0": "kv_heads", "heads": "heads"}.get(MERGE_MODE)
     if forced is not None:
         return forced
