@@ -43,6 +43,7 @@
 #   scripts/gpu_run.sh probe-one-item          # decode GPU tests, then SERVEATTN_DECODE_ONE_ITEM 0 / 1 at split shapes and ragged batches (~7 min)
 #   scripts/gpu_run.sh probe-item-call         # decode GPU tests, then CUDA-graph bf16 decode SERVEATTN_DECODE_ITEM_CALL 1 / 0 at split shapes and ragged (~5 min)
 #   scripts/gpu_run.sh probe-pending           # next/pending: decode / split GPU tests, small ragged batches' split new vs even, the graph fold rule (~6-8 min)
+#   scripts/gpu_run.sh probe-uneven-share      # next/uneven-share: decode / split GPU tests, small ragged batches' cut at one share vs two (~5 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -641,6 +642,22 @@ step_probe_pending() {
     fi
     exit "$rc"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-pending.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_uneven_share() {  # next/uneven-share: a small batch's even chunk over one share plus a tile takes the ragged
+  # cut (session 49's line: two shares, SERVEATTN_SPLIT_UNEVEN_SHARES=2); the split / decode GPU tests, then small
+  # ragged batches new vs that line on both routes, alternating, two rounds
+  {
+    timeout "${SWITCH_TESTS_TIMEOUT:-200}" python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider \
+      tests/test_decode_gpu.py tests/test_decode.py tests/test_prefill_split.py 2>&1 | tail -5
+    local rc=${PIPESTATUS[0]}
+    timeout 150 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 4,8,16 --rounds 2 \
+      --variants "new=;two=SERVEATTN_SPLIT_UNEVEN_SHARES:2;even=SERVEATTN_DECODE_RAGGED_SPLIT:0"
+    timeout 90 python3 scripts/probe_decode_ragged.py --tensor-cores --groups 4 --batches 4,8 --rounds 2 \
+      --variants "new=;two=SERVEATTN_SPLIT_UNEVEN_SHARES:2"
+    exit "$rc"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-uneven-share.txt"
   return "${PIPESTATUS[0]}"
 }
 

@@ -262,8 +262,9 @@ def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_
     """The ragged split of a batch that fills the GPU (decode's bandwidth kernel; this kernel's decode-shaped plans
     under SERVEATTN_PREFILL_RAGGED_SPLIT): one program streams ~13 GB/s (H100: 16 MB of one 32768-key request in
     1.3 ms), so `in_flight` of them make the copy bandwidth and the batch's bandwidth-bound time is about one
-    program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program (so
-    never one of equal lengths) is cut, into power-of-two chunks of per_program / divisor keys (0: off), at least
+    program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program is cut
+    (never one of equal lengths where the batch's programs reach in_flight; the tensor-core route's plans of 0.5-2
+    programs an SM, e.g. 32 x 2048 at 8 KV heads, are cut evenly), into power-of-two chunks of per_program / divisor keys (0: off), at least
     min_chunk and at most max_chunks of them: limits() -> (min_chunk, max_chunks), asked only where a cut falls."""
     per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
     if divisor <= 0 or max_kv <= per_program:
@@ -279,13 +280,16 @@ def uneven_chunk(even_chunk: int, kv_lens, max_kv: int, num_kv_heads: int, in_fl
                  divisor: int, limits) -> int:
     """The chunk of a batch too small to fill the GPU: even_chunk (the longest request cut into as many chunks as
     make in_flight programs, fit for equal lengths), or the ragged cut (ragged_chunk) where even_chunk carries more
-    than twice a program's share of the batch's keys: one long request among short ones (1 x 32768 beside 31 x 1024
-    kept 2 chunks of 16384, one program each streaming 8 MB, 7x the batch's copy floor; H200, session 49). Equal
-    lengths keep even_chunk: it is at most a share plus a tile's rounding, or MIN_CHUNK or a request's max_chunks-th
-    part, which bound the cut too."""
+    than a program's share of the batch's keys plus a tile: one long request among short ones. The batch then waits
+    on the program streaming that chunk (1 x 32768 beside 31 x 1024 kept 2 chunks of 16384, one program each
+    streaming 8 MB, 7x the batch's copy floor, H200, session 49; 16 lognormal requests kept 2816-key chunks for a
+    share of 1481, 2.2x the floor, H100, session 50). Equal lengths keep even_chunk: it is at most a share plus a
+    tile's rounding (the longest request is cut into at least in_flight / programs chunks), or MIN_CHUNK or a
+    request's max_chunks-th part, which bound the ragged cut too. SERVEATTN_SPLIT_UNEVEN_SHARES=N (measuring only;
+    session 49's rule was 2) moves the line to N shares plus a tile."""
     per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
-    if even_chunk <= 2 * per_program:
-        return even_chunk  # equal lengths always (even_chunk is at most about one program's share)
+    if even_chunk <= int(knobs.get("SERVEATTN_SPLIT_UNEVEN_SHARES", "1")) * per_program + block_n:
+        return even_chunk
     cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits)
     return even_chunk if cut is None else min(even_chunk, cut)
 

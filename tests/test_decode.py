@@ -144,7 +144,7 @@ def test_ragged_split_of_a_full_gpu(monkeypatch):
 
 def test_ragged_split_of_a_small_batch(monkeypatch):
     """A batch too small to fill the GPU cuts its longest request into as many chunks as fill it, unless that leaves
-    a chunk of more than twice a program's share (one long request among short ones): then the ragged cut
+    a chunk of more than a program's share plus a tile (one long request among short ones): then the ragged cut
     (prefill.uneven_chunk). SERVEATTN_DECODE_RAGGED_SPLIT=0 keeps the even cut; equal lengths never change."""
     from serveattn.decode import choose_chunk
 
@@ -153,7 +153,12 @@ def test_ragged_split_of_a_small_batch(monkeypatch):
     outlier = [1024] * 31 + [32768]  # 256 programs; per_program (31 x 1024 + 32768) x 8 // 264 = 1954 keys
     assert (chunk(outlier), chunk([1024] * 15 + [32768])) == (1024, 1024)
     assert chunk([100] * 3 + [20000]) == 640  # per_program 615: 256, but at most 32 chunks of 20000
-    assert chunk([4096] * 7 + [8192]) == 1024  # per_program 1117: 2 x 1117 > 1024, the even cut holds
+    assert chunk([4096] * 7 + [8192]) == 1024  # per_program 1117: 1117 + 64 > 1024, the even cut holds
+    mid = [2000] * 15 + [6000]  # 4 even chunks of 1536 for a per_program of 1090: under 2 shares, over 1 and a tile
+    assert chunk(mid) == 512
+    monkeypatch.setenv("SERVEATTN_SPLIT_UNEVEN_SHARES", "2")  # session 49's line
+    assert chunk(mid) == 1536
+    monkeypatch.delenv("SERVEATTN_SPLIT_UNEVEN_SHARES")
     monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "0")
     assert (chunk(outlier), chunk([100] * 3 + [20000])) == (16384, 1280)
     even = {}

@@ -276,13 +276,18 @@ def test_ragged_split_rule(monkeypatch):
 
 def test_ragged_split_of_a_small_decode_shaped_plan(monkeypatch):
     """A decode-shaped plan too small to fill the GPU cuts its longest request evenly into as many chunks as fill it,
-    unless a chunk would carry more than twice a program's share (prefill.uneven_chunk): then the ragged cut.
+    unless a chunk would carry more than a program's share plus a tile (prefill.uneven_chunk): then the ragged cut.
     SERVEATTN_PREFILL_RAGGED_SPLIT=0 keeps the even cut; equal lengths and prefill-shaped plans never change."""
     tiles = prefill.TileConfig(16, 64, 4, 2)
     kv = np.array([64] * 3 + [65536])  # 32 programs: 8 even chunks of 8192; per_program 65728 x 8 // 132 = 3983
     qo = np.ones(4, dtype=np.int64)
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 2048  # 3983 / 2: 1024, but at most 32 chunks
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 5) == 16384  # more tiles than requests: 40 programs, even
+    mid = np.array([1000] * 3 + [8000])  # 8 even chunks of 1024 for a per_program of 666: under 2 shares, over 1
+    assert prefill.split_chunk(qo, mid, 4, tiles, 8, 132, 4) == 256
+    monkeypatch.setenv("SERVEATTN_SPLIT_UNEVEN_SHARES", "2")  # session 49's line
+    assert prefill.split_chunk(qo, mid, 4, tiles, 8, 132, 4) == 1024
+    monkeypatch.delenv("SERVEATTN_SPLIT_UNEVEN_SHARES")
     monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "0")
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 8192
     even = {(b, k): prefill.split_chunk(np.ones(b), np.full(b, k), 4, tiles, 8, 132, b)
