@@ -240,8 +240,14 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
             knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
-        chunk = ragged_chunk(kv_lens, int(np.maximum.reduce(kv_lens)), num_kv_heads, RAGGED_PROGRAMS_PER_SM * num_sms,
-                             tiles.block_n, ragged, _ragged_limits)
+        # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): a request is cut only
+        # past the batch's mean, so equal lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys
+        # cut into chunks of 256-512 ran 1.05-1.33x slower than whole; SERVEATTN_PREFILL_RAGGED_CAP=0 cuts them)
+        in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
+        if knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "1") == "1":
+            in_flight = min(in_flight, programs)
+        chunk = ragged_chunk(kv_lens, int(np.maximum.reduce(kv_lens)), num_kv_heads, in_flight, tiles.block_n,
+                             ragged, _ragged_limits)
         return None if chunk is None or (warp_specialized is not None and warp_specialized()) else chunk
     if not forced and warp_specialized is not None and warp_specialized():
         return None
@@ -263,8 +269,7 @@ def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_
     under SERVEATTN_PREFILL_RAGGED_SPLIT): one program streams ~13 GB/s (H100: 16 MB of one 32768-key request in
     1.3 ms), so `in_flight` of them make the copy bandwidth and the batch's bandwidth-bound time is about one
     program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program is cut
-    (never one of equal lengths where the batch's programs reach in_flight; the tensor-core route's plans of 0.5-2
-    programs an SM, e.g. 32 x 2048 at 8 KV heads, are cut evenly), into power-of-two chunks of per_program / divisor keys (0: off), at least
+    (never one of equal lengths: in_flight is at most the batch's programs), into power-of-two chunks of per_program / divisor keys (0: off), at least
     min_chunk and at most max_chunks of them: limits() -> (min_chunk, max_chunks), asked only where a cut falls."""
     per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
     if divisor <= 0 or max_kv <= per_program:
