@@ -269,8 +269,9 @@ def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_
     under SERVEATTN_PREFILL_RAGGED_SPLIT): one program streams ~13 GB/s (H100: 16 MB of one 32768-key request in
     1.3 ms), so `in_flight` of them make the copy bandwidth and the batch's bandwidth-bound time is about one
     program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program is cut
-    (never one of equal lengths: in_flight is at most the batch's programs), into power-of-two chunks of per_program / divisor keys (0: off), at least
-    min_chunk and at most max_chunks of them: limits() -> (min_chunk, max_chunks), asked only where a cut falls."""
+    (never one of equal lengths: in_flight is at most the batch's programs), into power-of-two chunks of
+    per_program / divisor keys (0: off), at least min_chunk and at most max_chunks of them: limits() -> (min_chunk,
+    max_chunks), asked only where a cut falls."""
     per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
     if divisor <= 0 or max_kv <= per_program:
         return None
