@@ -44,6 +44,7 @@
 #   scripts/gpu_run.sh probe-item-call         # decode GPU tests, then CUDA-graph bf16 decode SERVEATTN_DECODE_ITEM_CALL 1 / 0 at split shapes and ragged (~5 min)
 #   scripts/gpu_run.sh probe-pending           # next/pending: decode / split GPU tests, small ragged batches' split new vs even, the graph fold rule (~6-8 min)
 #   scripts/gpu_run.sh probe-uneven-share      # next/uneven-share: decode / split GPU tests, small ragged batches' cut at one share vs two (~5 min)
+#   scripts/gpu_run.sh probe-small-merge       # the fold of small ragged batches (4-16 requests): auto vs fused vs merge_kernel a query head (~4 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -658,6 +659,20 @@ step_probe_uneven_share() {  # next/uneven-share: a small batch's even chunk ove
       --variants "new=;two=SERVEATTN_SPLIT_UNEVEN_SHARES:2"
     exit "$rc"
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-uneven-share.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_small_merge() {  # the fold of small ragged batches under the one-share cut (session 50): their long request
+  # now takes many short chunks (lognormal 8: 18 of 256 keys), which from 16 chunks at group 8 takes merge_kernel a
+  # query head, a second launch (fp8 lognormal 8 group 8: 0.65x eager, 0.93x graph against two shares' 8 chunks fused).
+  # auto against the fused fold and merge_kernel a query head, fp8 and bf16, groups 4 / 8, 4-16 requests, two rounds
+  local dtype
+  {
+    for dtype in float8_e4m3fn bfloat16; do
+      timeout 150 python3 scripts/probe_decode_ragged.py --kv-dtype $dtype --groups 4,8 --batches 4,8,16 --rounds 2 \
+        --dists lognormal,outlier --variants "auto=;fused=decode.MERGE_MODE:1;heads=decode.MERGE_MODE:heads"
+    done
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-small-merge.txt"
   return "${PIPESTATUS[0]}"
 }
 
