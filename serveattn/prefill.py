@@ -264,15 +264,17 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
 
 
 def ragged_chunk(kv_lens, max_kv: int, num_kv_heads: int, in_flight: int, block_n: int, divisor: int,
-                 limits) -> Optional[int]:
+                 limits, total_keys: Optional[int] = None) -> Optional[int]:
     """The ragged split of a batch that fills the GPU (decode's bandwidth kernel; this kernel's decode-shaped plans
     under SERVEATTN_PREFILL_RAGGED_SPLIT): one program streams ~13 GB/s (H100: 16 MB of one 32768-key request in
     1.3 ms), so `in_flight` of them make the copy bandwidth and the batch's bandwidth-bound time is about one
     program's time for per_program = its keys x KV heads / in_flight. Only a request longer than per_program is cut
     (never one of equal lengths: in_flight is at most the batch's programs), into power-of-two chunks of
     per_program / divisor keys (0: off), at least min_chunk and at most max_chunks of them: limits() -> (min_chunk,
-    max_chunks), asked only where a cut falls."""
-    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
+    max_chunks), asked only where a cut falls. total_keys: kv_lens' sum where the caller has it."""
+    if total_keys is None:
+        total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
+    per_program = total_keys * num_kv_heads // in_flight
     if divisor <= 0 or max_kv <= per_program:
         return None
     min_chunk, max_chunks = limits()
@@ -293,10 +295,11 @@ def uneven_chunk(even_chunk: int, kv_lens, max_kv: int, num_kv_heads: int, in_fl
     tile's rounding (the longest request is cut into at least in_flight / programs chunks), or MIN_CHUNK or a
     request's max_chunks-th part, which bound the ragged cut too. SERVEATTN_SPLIT_UNEVEN_SHARES=N (measuring only;
     session 49's rule was 2) moves the line to N shares plus a tile."""
-    per_program = int(np.add.reduce(kv_lens, dtype=np.int64)) * num_kv_heads // in_flight
+    total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
+    per_program = total_keys * num_kv_heads // in_flight
     if even_chunk <= int(knobs.get("SERVEATTN_SPLIT_UNEVEN_SHARES", "1")) * per_program + block_n:
         return even_chunk
-    cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits)
+    cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits, total_keys)
     return even_chunk if cut is None else min(even_chunk, cut)
 
 
