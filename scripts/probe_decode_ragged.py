@@ -11,7 +11,8 @@ serveattn.kernels.decode read once at import (Q_HELD, FOLD_CALL, MERGE_MODE, ...
 variant plans and makes its first call (which fills the plan's launch memo), then put back.
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
-with one request of 32768 (outlier), one draw a (batch, distribution), or are all N keys (--dists keysN), on
+with one request of 32768 (outlier), one draw a (batch, distribution), or are all N keys (--dists keysN) or N +-10%
+(jitterN), on
 shuffled pages: the lengths and page table of `python -m serveattn.bench decode --ragged` (which times them
 against FlashInfer). Prints a row a case:
 each variant's do_bench median (best of the rounds), its time over the first variant's (below 1: faster), and
@@ -103,9 +104,15 @@ def main() -> None:
     print("| --- " * (6 + 2 * len(names) - 1) + "|")
     for dist in args.dists.split(","):
         for batch in map(int, args.batches.split(",")):
-            # keysN: every request N keys (the uniform-length rows of bench decode, e.g. 32 x keys2048)
-            kv_lens = np.full(batch, int(dist[4:])) if dist.startswith("keys") else \
-                np.array(decode_bench.ragged_lengths(batch, dist))
+            # keysN: every request N keys (the uniform-length rows of bench decode, e.g. 32 x keys2048); jitterN:
+            # N keys +-10%, one draw a batch (near-equal lengths, where a cut by the batch's mean would cut them all)
+            if dist.startswith("keys"):
+                kv_lens = np.full(batch, int(dist[4:]))
+            elif dist.startswith("jitter"):
+                n = int(dist[6:])
+                kv_lens = np.random.default_rng(batch).integers(n - n // 10, n + n // 10 + 1, batch)
+            else:
+                kv_lens = np.array(decode_bench.ragged_lengths(batch, dist))
             for group in map(int, args.groups.split(",")):
                 data = inputs(kv_lens, group, batch * 10 + group, kv_dtype)
                 for graph in (False, True):
