@@ -58,9 +58,9 @@ WORKLOADS = {
 }
 QUICK_WORKLOADS = ("1x8192", "32x2048")
 #: ``--ragged``'s cases: serving batches whose lengths differ (the split and order of the decode plan matter); those
-#: of 16-32 requests do not fill the GPU, where the split cuts the longest request (session 49)
-RAGGED_WORKLOADS = ("16xlognormal", "32xlognormal", "32xoutlier", "64xlognormal", "128xlognormal", "256xlognormal",
-                    "128xuniform", "256xuniform", "64xoutlier", "256xoutlier")
+#: of 8-32 requests do not fill the GPU, where the split cuts the longest request (sessions 49-50)
+RAGGED_WORKLOADS = ("8xlognormal", "8xoutlier", "16xlognormal", "32xlognormal", "32xoutlier", "64xlognormal",
+                    "128xlognormal", "256xlognormal", "128xuniform", "256xuniform", "64xoutlier", "256xoutlier")
 RAGGED_DISTS = ("lognormal", "uniform", "outlier")
 
 #: The issue's absolute targets, TB/s of K/V read (our best variant).
