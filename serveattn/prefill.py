@@ -242,7 +242,7 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
         # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): a cut falls only where
         # the longest request passes the batch's mean (then every request past the chunk is cut), so equal lengths
-        # stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran 1.05-1.33x
+        # stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran 1.02-1.33x
         # slower than whole; SERVEATTN_PREFILL_RAGGED_CAP=0 cuts them). Near-equal lengths (+-10%) are still cut.
         in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
         if knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "1") == "1":
