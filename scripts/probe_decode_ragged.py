@@ -12,9 +12,8 @@ variant plans and makes its first call (which fills the plan's launch memo), the
 
 A batch's KV lengths are drawn lognormal (median ~1800 keys, capped at 32768), uniform in 1..8192, or 1024 keys
 with one request of 32768 (outlier), one draw a (batch, distribution), or are all N keys (--dists keysN) or N +-10%
-(jitterN), on
-shuffled pages: the lengths and page table of `python -m serveattn.bench decode --ragged` (which times them
-against FlashInfer). Prints a row a case:
+(jitterN), on shuffled pages: the lengths and page table of `python -m serveattn.bench decode --ragged` (which
+times them against FlashInfer). Prints a row a case:
 each variant's do_bench median (best of the rounds), its time over the first variant's (below 1: faster), and
 whether every variant's output equals the first's bitwise (a split changes the bits, as a split plan's do; an order alone must not).
 """
