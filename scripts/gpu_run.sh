@@ -623,8 +623,9 @@ step_probe_item_call() {
   return "${PIPESTATUS[0]}"
 }
 
-# next/pending's two host-side changes in one call: (1) a batch too small to fill the GPU takes the ragged cut where the
-# even cut leaves a chunk over twice a program's share (prefill.uneven_chunk; SERVEATTN_DECODE_RAGGED_SPLIT=0 and
+# next/pending's two host-side changes in one call (landed in session 50): (1) a batch too small to fill the GPU takes the
+# ragged cut where the even cut leaves a chunk over twice a program's share (session 49's line; one share plus a tile
+# since session 50's probe-uneven-share) (prefill.uneven_chunk; SERVEATTN_DECODE_RAGGED_SPLIT=0 and
 # SERVEATTN_PREFILL_RAGGED_SPLIT=0 give the even cut back), (2) CUDA-graph plans choose the fold by the capacity's
 # chunks (decode.capacity_chunks). The decode / split GPU tests, then ragged batches of 8-32 new against even (bf16,
 # both routes), then (PENDING_MERGE=1, the default) the fold forced each way against auto, fp8 and bf16. ~6-8 min

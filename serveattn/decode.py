@@ -25,7 +25,7 @@ from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
-from .prefill import _single_prefill, ragged_chunk, split_paged_cache, uneven_chunk
+from .prefill import _single_prefill, even_splits, ragged_chunk, split_paged_cache, uneven_chunk
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
@@ -159,18 +159,10 @@ def choose_chunk(kv_lens: np.ndarray, num_kv_heads: int, num_sms: int, block_n: 
         if programs >= target:
             return ragged_chunk(kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
         min_chunk, max_slots = _split_limits()
-        chunk = max(min_chunk, -(-max_kv // _even_splits(programs, target, max_slots)))
+        chunk = max(min_chunk, -(-max_kv // even_splits(programs, target, max_slots)))
         chunk = -(-chunk // block_n) * block_n
         chunk = uneven_chunk(chunk, kv_lens, max_kv, num_kv_heads, target, block_n, divisor, _split_limits)
     return chunk if chunk < max_kv else None
-
-
-def _even_splits(programs: int, target: int, max_slots: int) -> int:
-    """The chunks a request is cut into where `programs` (under `target`) leave the GPU part idle: a power of two,
-    so chunks of a power-of-two KV length come out even (8 x 4096 on 132 SMs: 8 chunks of 512, 0.057 ms, instead of
-    5 of 896 with a short last one, 0.062 ms; docs/runs/2026-12-02T2133-*), at most max_slots (0: no cap)."""
-    splits = 1 << (-(-target // programs) - 1).bit_length()
-    return min(splits, max_slots) if max_slots > 0 else splits
 
 
 def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarray:
@@ -187,7 +179,7 @@ def capacity_chunks(batch_cap: int, num_kv_heads: int, num_sms: int) -> np.ndarr
         programs = batch_cap * num_kv_heads
         target = _programs_per_sm() * num_sms
         # a batch that fills the GPU: 0 (the ragged split cuts only requests far over its share)
-        splits = _even_splits(programs, target, _split_limits()[1]) if programs < target else 0
+        splits = even_splits(programs, target, _split_limits()[1]) if programs < target else 0
         chunks = np.array([splits], dtype=np.int32)
         chunks.flags.writeable = False
         _CAPACITY_CHUNKS[key] = chunks
