@@ -240,15 +240,21 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
             knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
-        # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): a cut falls only where
-        # the longest request passes the batch's mean (then every request past the chunk is cut), so equal lengths
-        # stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran 1.02-1.33x
-        # slower than whole; SERVEATTN_PREFILL_RAGGED_CAP=0 cuts them). Near-equal lengths (+-10%) are still cut.
+        # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): there a cut falls only
+        # where the longest request passes twice the batch's mean (then every request past the chunk is cut), so
+        # equal and near-equal lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into
+        # chunks of 256-512 ran 1.05-1.33x slower than whole). SERVEATTN_PREFILL_RAGGED_CAP (measuring): 0, the
+        # 2-an-SM share for every plan; 1, the mean without the twice-the-mean line (session 50's main).
         in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
-        if knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "1") == "1":
-            in_flight = min(in_flight, programs)
-        chunk = ragged_chunk(kv_lens, int(np.maximum.reduce(kv_lens)), num_kv_heads, in_flight, tiles.block_n,
-                             ragged, _ragged_limits)
+        max_kv = int(np.maximum.reduce(kv_lens))
+        total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
+        cap = knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "2")
+        if cap != "0" and programs < in_flight:
+            in_flight = programs
+            if cap == "2" and max_kv * programs <= 2 * total_keys * num_kv_heads:
+                return None
+        chunk = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, tiles.block_n, ragged, _ragged_limits,
+                             total_keys)
         return None if chunk is None or (warp_specialized is not None and warp_specialized()) else chunk
     if not forced and warp_specialized is not None and warp_specialized():
         return None
