@@ -242,9 +242,9 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
         # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): there a cut falls only
         # where the longest request stands out (then every request past the chunk is cut), so equal and near-equal
-        # lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into
-        # chunks of 256-512 ran 1.02-1.33x slower than whole). SERVEATTN_PREFILL_RAGGED_CAP (measuring): 0, the
-        # 2-an-SM share for every plan; 1, the mean without the stands_out line (session 50's main).
+        # lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran
+        # 1.02-1.33x slower than whole). SERVEATTN_PREFILL_RAGGED_CAP (measuring): 0, the 2-an-SM share for every
+        # plan; 1, the mean without the stands_out line (session 50's main).
         in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
         max_kv = int(np.maximum.reduce(kv_lens))
         total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
