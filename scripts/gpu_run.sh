@@ -45,6 +45,7 @@
 #   scripts/gpu_run.sh probe-pending           # next/pending: decode / split GPU tests, small ragged batches' split new vs even, the graph fold rule (~6-8 min)
 #   scripts/gpu_run.sh probe-uneven-share      # next/uneven-share: decode / split GPU tests, small ragged batches' cut at one share vs two (~5 min)
 #   scripts/gpu_run.sh probe-small-merge       # the fold of small ragged batches (4-16 requests): auto vs fused vs merge_kernel a query head (~4 min)
+#   scripts/gpu_run.sh probe-tc-near-equal     # next/tc-near-equal: split / decode tests, near-equal and ragged small batches, both routes: the stands_out line (~6 min)
 #   scripts/gpu_run.sh probe-merge-rule        # decode.merge_kind re-read under the called fold: FUSED_MERGE auto / 0 / heads at split shapes, then ragged (~5 min)
 #   scripts/gpu_run.sh probe-ncu-decode        # Nsight Compute on decode (fp8 / bf16, HBM / L2): details and stall summaries (NCU_CASES)
 #   scripts/gpu_run.sh probe-fp8-hot-l2       # fp8 decode with the cache in the L2 (an H100 made compute-bound), defaults vs HOT_L2_SETTING (~1 min)
@@ -674,6 +675,27 @@ step_probe_small_merge() {  # the fold of small ragged batches under the one-sha
         --dists lognormal,outlier --variants "auto=;fused=decode.MERGE_MODE:1;heads=decode.MERGE_MODE:heads"
     done
   } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-small-merge.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_probe_tc_near_equal() {  # next/tc-near-equal: the tensor-core route's plans of 0.5-2 programs an SM cut only where
+  # the longest request stands out (prefill.stands_out: over twice the others' mean; SERVEATTN_PREFILL_RAGGED_CAP=2)
+  # against session 50's main (the mean: 1)
+  # and no cut (SERVEATTN_PREFILL_RAGGED_SPLIT=0): the split / decode tests, then near-equal (+-10%) and ragged
+  # batches of 16 and 32 requests, groups 4 / 8, two rounds; then the bandwidth route's small plans (the same line)
+  {
+    timeout 150 python3 -m pytest -q -n "${SWITCH_TEST_WORKERS:-8}" -p no:cacheprovider tests/test_prefill_split.py \
+      tests/test_decode.py 2>&1 | tail -3
+    local rc=${PIPESTATUS[0]}
+    timeout 200 python3 scripts/probe_decode_ragged.py --tensor-cores --groups 4,8 --batches 16,32 --rounds 2 \
+      --dists jitter1024,jitter2048,jitter4096,uniform,lognormal,outlier \
+      --variants "new=;mean=SERVEATTN_PREFILL_RAGGED_CAP:1;whole=SERVEATTN_PREFILL_RAGGED_SPLIT:0"
+    # the bandwidth route: near-equal batches just over a power of two of programs (17, 33 requests), where an even
+    # chunk a few percent over a share took the ragged cut; the stands_out line against none
+    timeout 120 python3 scripts/probe_decode_ragged.py --groups 4,8 --batches 17,33 --rounds 2 \
+      --dists jitter2048,jitter4096,jitter8192 --variants "new=;means0=SERVEATTN_SPLIT_UNEVEN_MEANS:0"
+    exit "$rc"
+  } 2>&1 | grep -v "backend='auto'" | tee "$OUT/probe-tc-near-equal.txt"
   return "${PIPESTATUS[0]}"
 }
 

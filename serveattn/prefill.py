@@ -240,15 +240,21 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
             knobs.get("SERVEATTN_PREFILL_SPLIT", "1") == "0":
         return None
     if full:  # the warp-specialized kernel asked only where a ragged cut falls (equal lengths never cut)
-        # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): a cut falls only where
-        # the longest request passes the batch's mean (then every request past the chunk is cut), so equal lengths
-        # stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran 1.02-1.33x
-        # slower than whole; SERVEATTN_PREFILL_RAGGED_CAP=0 cuts them). Near-equal lengths (+-10%) are still cut.
+        # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): there a cut falls only
+        # where the longest request stands out (then every request past the chunk is cut), so equal and near-equal
+        # lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran
+        # 1.02-1.33x slower than whole). SERVEATTN_PREFILL_RAGGED_CAP (measuring): 0, the 2-an-SM share for every
+        # plan; 1, the mean without the stands_out line (session 50's main).
         in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
-        if knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "1") == "1":
-            in_flight = min(in_flight, programs)
-        chunk = ragged_chunk(kv_lens, int(np.maximum.reduce(kv_lens)), num_kv_heads, in_flight, tiles.block_n,
-                             ragged, _ragged_limits)
+        max_kv = int(np.maximum.reduce(kv_lens))
+        total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
+        cap = knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "2")
+        if cap != "0" and programs < in_flight:
+            in_flight = programs
+            if cap == "2" and not stands_out(kv_lens, max_kv, total_keys):
+                return None
+        chunk = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, tiles.block_n, ragged, _ragged_limits,
+                             total_keys)
         return None if chunk is None or (warp_specialized is not None and warp_specialized()) else chunk
     if not forced and warp_specialized is not None and warp_specialized():
         return None
@@ -308,8 +314,20 @@ def uneven_chunk(even_chunk: int, kv_lens, max_kv: int, num_kv_heads: int, in_fl
     per_program = total_keys * num_kv_heads // in_flight
     if even_chunk <= int(knobs.get("SERVEATTN_SPLIT_UNEVEN_SHARES", "1")) * per_program + block_n:
         return even_chunk
+    # near-equal lengths (no request standing out) keep the even cut too: a power-of-two count of chunks can leave
+    # an even chunk a few percent over a share (17 requests of 8192 +-10% keys, 4 KV heads: 2304 against 2110),
+    # where the ragged cut would halve every request's chunks. SERVEATTN_SPLIT_UNEVEN_MEANS=0: no such line.
+    if knobs.get("SERVEATTN_SPLIT_UNEVEN_MEANS", "2") != "0" and not stands_out(kv_lens, max_kv, total_keys):
+        return even_chunk
     cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits, total_keys)
     return even_chunk if cut is None else min(even_chunk, cut)
+
+
+def stands_out(kv_lens, max_kv: int, total_keys: int) -> bool:
+    """Whether the longest request is over twice the mean of the others: a long request among short ones, which a
+    ragged cut serves; near-equal lengths (+-10%) never, and a batch of two only where one is over twice the other
+    (twice the whole batch's mean would never hold for two)."""
+    return max_kv * (len(kv_lens) - 1) > 2 * (total_keys - max_kv)
 
 
 def _ragged_limits():

@@ -269,12 +269,20 @@ def test_ragged_split_rule(monkeypatch):
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 2048  # the default, 2
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 129) is None  # more tiles than requests: prefill
     assert prefill.split_chunk(qo, np.full(128, 4096), 4, tiles, 8, 132, 128) is None  # equal lengths
-    # 0.5-2 programs an SM (16 or 32 requests x 8 KV heads on 132 SMs): still "full"; equal lengths stay whole
-    # (the share is the batch's mean there), a request past the mean is cut
+    # 0.5-2 programs an SM (16 or 32 requests x 8 KV heads on 132 SMs): still "full"; equal and near-equal lengths
+    # stay whole (the share is the batch's mean there, and the longest must pass twice the others' mean)
+    rng = np.random.default_rng(5)
     for batch, kv_len in itertools.product((9, 16, 32), (1000, 2048, 4096, 32768)):
         assert prefill.split_chunk(np.ones(batch), np.full(batch, kv_len), 4, tiles, 8, 132, batch) is None
+        near = rng.integers(kv_len - kv_len // 10, kv_len + kv_len // 10 + 1, batch)
+        assert prefill.split_chunk(np.ones(batch), near, 4, tiles, 8, 132, batch) is None
     few = np.array([1024] * 15 + [32768])  # mean 3008: 1024-key chunks (the power of two at or below 3008 / 2)
     assert prefill.split_chunk(np.ones(16), few, 4, tiles, 8, 132, 16) == 1024
+    twice = np.array([1000] * 15 + [2000])  # the longest at twice the others' mean: whole; past it: cut
+    assert prefill.split_chunk(np.ones(16), twice, 4, tiles, 8, 132, 16) is None
+    assert prefill.split_chunk(np.ones(16), np.array([1000] * 15 + [2200]), 4, tiles, 8, 132, 16) == 512
+    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_CAP", "1")  # the mean without the line: near-equal lengths cut
+    assert prefill.split_chunk(np.ones(16), twice, 4, tiles, 8, 132, 16) == 512
     monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_CAP", "0")  # session 49's share (2 programs an SM) cut them
     assert prefill.split_chunk(np.ones(16), np.full(16, 2048), 4, tiles, 8, 132, 16) == 256
     monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_CAP")
@@ -282,6 +290,17 @@ def test_ragged_split_rule(monkeypatch):
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, disable_split_kv=True) is None
     monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "1")
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128) == 4096
+
+
+def test_a_request_stands_out_past_twice_the_others_mean():
+    """prefill.stands_out, the line both routes' small plans cut by: a batch of two where one is over twice the other,
+    never near-equal lengths or one request."""
+    def stands(lens):
+        lens = np.array(lens)
+        return prefill.stands_out(lens, int(lens.max()), int(lens.sum()))
+    assert stands([377, 1]) and stands([1024] * 31 + [32768]) and stands([1000] * 15 + [2001])
+    assert not stands([1000] * 15 + [2000]) and not stands([5000]) and not stands([10, 10])
+    assert not stands(np.random.default_rng(0).integers(900, 1101, 64))
 
 
 def test_ragged_split_of_a_small_decode_shaped_plan(monkeypatch):
