@@ -243,15 +243,14 @@ def split_chunk(qo_lens, kv_lens, group: int, tiles: TileConfig, num_kv_heads: i
         # in flight: 2 programs an SM, or the plan's own programs where fewer (0.5-2 an SM): there a cut falls only
         # where the longest request stands out (then every request past the chunk is cut), so equal and near-equal
         # lengths stay whole (H100, session 50: 16-32 requests of 1024-4096 keys cut into chunks of 256-512 ran
-        # 1.02-1.33x slower than whole). SERVEATTN_PREFILL_RAGGED_CAP (measuring): 0, the 2-an-SM share for every
-        # plan; 1, the mean without the stands_out line (session 50's main).
+        # 1.02-1.33x slower than whole; session 51: near-equal lengths (+-10%) cut by the mean alone took 0.95-1.23x
+        # the time whole, 1.03-1.23x in eager).
         in_flight = RAGGED_PROGRAMS_PER_SM * num_sms
         max_kv = int(np.maximum.reduce(kv_lens))
         total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
-        cap = knobs.get("SERVEATTN_PREFILL_RAGGED_CAP", "2")
-        if cap != "0" and programs < in_flight:
+        if programs < in_flight:
             in_flight = programs
-            if cap == "2" and not stands_out(kv_lens, max_kv, total_keys):
+            if not stands_out(kv_lens, max_kv, total_keys):
                 return None
         chunk = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, tiles.block_n, ragged, _ragged_limits,
                              total_keys)
@@ -308,16 +307,16 @@ def uneven_chunk(even_chunk: int, kv_lens, max_kv: int, num_kv_heads: int, in_fl
     streaming 8 MB, 7x the batch's copy floor, H200, session 49; 16 lognormal requests kept 2816-key chunks for a
     share of 1481, 2.2x the floor, H100, session 50). Equal lengths keep even_chunk: it is at most a share plus a
     tile's rounding (the longest request is cut into at least in_flight / programs chunks), or MIN_CHUNK or a
-    request's max_chunks-th part, which bound the ragged cut too. SERVEATTN_SPLIT_UNEVEN_SHARES=N (measuring only;
-    session 49's rule was 2) moves the line to N shares plus a tile."""
+    request's max_chunks-th part, which bound the ragged cut too. (Session 49's line of two shares was 1.11-1.27x
+    slower at 16 lognormal requests, H100, session 50.)"""
     total_keys = int(np.add.reduce(kv_lens, dtype=np.int64))
     per_program = total_keys * num_kv_heads // in_flight
-    if even_chunk <= int(knobs.get("SERVEATTN_SPLIT_UNEVEN_SHARES", "1")) * per_program + block_n:
+    if even_chunk <= per_program + block_n:
         return even_chunk
     # near-equal lengths (no request standing out) keep the even cut too: a power-of-two count of chunks can leave
     # an even chunk a few percent over a share (17 requests of 8192 +-10% keys, 4 KV heads: 2304 against 2110),
-    # where the ragged cut would halve every request's chunks. SERVEATTN_SPLIT_UNEVEN_MEANS=0: no such line.
-    if knobs.get("SERVEATTN_SPLIT_UNEVEN_MEANS", "2") != "0" and not stands_out(kv_lens, max_kv, total_keys):
+    # where the ragged cut would halve every request's chunks (1.05-1.10x slower at 17 requests, H100, session 51)
+    if not stands_out(kv_lens, max_kv, total_keys):
         return even_chunk
     cut = ragged_chunk(kv_lens, max_kv, num_kv_heads, in_flight, block_n, divisor, limits, total_keys)
     return even_chunk if cut is None else min(even_chunk, cut)

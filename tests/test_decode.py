@@ -155,15 +155,9 @@ def test_ragged_split_of_a_small_batch(monkeypatch):
     assert chunk([100] * 3 + [20000]) == 640  # per_program 615: 256, but at most 32 chunks of 20000
     assert chunk([4096] * 7 + [8192]) == 1024  # per_program 1117: 1117 + 64 > 1024, the even cut holds
     near = [8192 - 800 + 100 * i for i in range(17)]  # 17 x 8192 +-10%, 4 KV heads: even 2304 > share 2110 + 64
-    assert chunk(near, 4) == 2304  # no request stands out (prefill.stands_out): the even cut holds
-    monkeypatch.setenv("SERVEATTN_SPLIT_UNEVEN_MEANS", "0")
-    assert chunk(near, 4) == 1024  # without that line the ragged cut would halve every request's chunks
-    monkeypatch.delenv("SERVEATTN_SPLIT_UNEVEN_MEANS")
-    mid = [2000] * 15 + [6000]  # 4 even chunks of 1536 for a per_program of 1090: under 2 shares, over 1 and a tile
+    assert chunk(near, 4) == 2304  # no request stands out (prefill.stands_out): the even cut holds (ragged: 1024)
+    mid = [2000] * 15 + [6000]  # 4 even chunks of 1536 for a per_program of 1090: over a share and a tile
     assert chunk(mid) == 512
-    monkeypatch.setenv("SERVEATTN_SPLIT_UNEVEN_SHARES", "2")  # session 49's line
-    assert chunk(mid) == 1536
-    monkeypatch.delenv("SERVEATTN_SPLIT_UNEVEN_SHARES")
     monkeypatch.setenv("SERVEATTN_DECODE_RAGGED_SPLIT", "0")
     assert (chunk(outlier), chunk([100] * 3 + [20000])) == (16384, 1280)
     even = {}

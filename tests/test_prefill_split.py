@@ -281,11 +281,6 @@ def test_ragged_split_rule(monkeypatch):
     twice = np.array([1000] * 15 + [2000])  # the longest at twice the others' mean: whole; past it: cut
     assert prefill.split_chunk(np.ones(16), twice, 4, tiles, 8, 132, 16) is None
     assert prefill.split_chunk(np.ones(16), np.array([1000] * 15 + [2200]), 4, tiles, 8, 132, 16) == 512
-    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_CAP", "1")  # the mean without the line: near-equal lengths cut
-    assert prefill.split_chunk(np.ones(16), twice, 4, tiles, 8, 132, 16) == 512
-    monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_CAP", "0")  # session 49's share (2 programs an SM) cut them
-    assert prefill.split_chunk(np.ones(16), np.full(16, 2048), 4, tiles, 8, 132, 16) == 256
-    monkeypatch.delenv("SERVEATTN_PREFILL_RAGGED_CAP")
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, warp_specialized=lambda: True) is None
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 128, disable_split_kv=True) is None
     monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "1")
@@ -312,11 +307,8 @@ def test_ragged_split_of_a_small_decode_shaped_plan(monkeypatch):
     qo = np.ones(4, dtype=np.int64)
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 2048  # 3983 / 2: 1024, but at most 32 chunks
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 5) == 16384  # more tiles than requests: 40 programs, even
-    mid = np.array([1000] * 3 + [8000])  # 8 even chunks of 1024 for a per_program of 666: under 2 shares, over 1
+    mid = np.array([1000] * 3 + [8000])  # 8 even chunks of 1024 for a per_program of 666: over a share and a tile
     assert prefill.split_chunk(qo, mid, 4, tiles, 8, 132, 4) == 256
-    monkeypatch.setenv("SERVEATTN_SPLIT_UNEVEN_SHARES", "2")  # session 49's line
-    assert prefill.split_chunk(qo, mid, 4, tiles, 8, 132, 4) == 1024
-    monkeypatch.delenv("SERVEATTN_SPLIT_UNEVEN_SHARES")
     monkeypatch.setenv("SERVEATTN_PREFILL_RAGGED_SPLIT", "0")
     assert prefill.split_chunk(qo, kv, 4, tiles, 8, 132, 4) == 8192
     even = {(b, k): prefill.split_chunk(np.ones(b), np.full(b, k), 4, tiles, 8, 132, b)
