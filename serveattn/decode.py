@@ -427,7 +427,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
                             o_data_type=o_data_type, tree_mask=tree_mask, split=split,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant,
+                            # an explicit backend was resolved by choose_decode above (the same device and call)
+                            resolved=self._backend_request != "auto")
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req

@@ -402,7 +402,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               graph_max_qo: Optional[int] = None, graph_split_kv: bool = False,
               tree_mask: Optional[torch.Tensor] = None, held: Optional[routing.Decision] = None,
               workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False,
-              table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES) -> Plan:
+              table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES, resolved: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
@@ -416,7 +416,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
     tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
     any others (tile rows and warps change the tensor-core instructions). The decode wrapper's chains all have
-    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant."""
+    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant.
+    resolved: backend is the route the caller resolved from its explicit backend in this same call, on this device
+    (the decode wrapper's inner plan): taken as choose_prefill would return it, without resolving it again."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -479,7 +481,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         tree=tree_mask is not None, window_left=window_left, soft_cap=logits_soft_cap,
         rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens,
         kv_lens=kv_lens, batch_invariant=batch_invariant) if backend == "auto" and held is None else None
-    decision = routing.choose_prefill(entry, backend, request, device, held)
+    decision = routing.resolved_route(backend) if resolved else routing.choose_prefill(entry, backend, request,
+                                                                                           device, held)
     chosen = decision.backend
     # the torch route's own copy of the page table (it reads it at run()): a caller may rewrite its table after
     # plan(); the kernels' routes copy it to the device in _commit instead
@@ -1228,7 +1231,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                     packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
                     logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
                     kv_data_type=None, o_data_type=None, tree_mask=None, split=(None, False),
-                    batch_invariant=False):
+                    batch_invariant=False, resolved=False):
         plan = make_plan(
             self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
             kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
@@ -1240,7 +1243,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, tree_mask=tree_mask, held=self._held,
             workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant,
-            table_names=self._table_names)
+            table_names=self._table_names, resolved=resolved)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,
