@@ -146,7 +146,8 @@ class Plan:
                 self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.tree_mask_host is not None)
 
 
-def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False):
+def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False,
+               qo_range: Optional[Tuple[int, int]] = None):
     """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
@@ -160,14 +161,18 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     (docs/performance.md, session 35).
 
     numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper. The lengths
-    are host tensors or numpy arrays (the plan's own)."""
+    are host tensors or numpy arrays (the plan's own). qo_range: (shortest, longest) of qo_lens where the caller
+    has them (make_plan), else read here."""
     qo, kv = np.asarray(qo_lens), np.asarray(kv_lens)
     # A request's costliest tile is its last, which sees all kv_len keys (causal or not); a later tile never
     # sees fewer keys than an earlier one, so each request's tiles go last to first.
     # equal lengths (a decode batch, the common case): request order is already the stable order; no sort
     same = kv.size == 0 or int(np.minimum.reduce(kv)) == int(np.maximum.reduce(kv))
     by_cost = np.arange(kv.size) if same else np.argsort(-kv, kind="stable")
-    shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
+    if qo_range is not None:
+        shortest, longest = qo_range
+    else:
+        shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
     if _tiles(shortest, group, block_m) == 1 == _tiles(longest, group, block_m):
         work = np.zeros((qo.size, 2), dtype=np.int32)  # one tile a request (decode through this family)
         work[:, 0] = by_cost
@@ -392,7 +397,16 @@ def _tiles(qo_len, group: int, block_m: int):
 
 
 class PlannedIndptr(np.ndarray):
-    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks)."""
+    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks),
+    with `rows`, its (fewest, most) rows per request ((0, 0) for no requests), known by construction too."""
+    rows: Tuple[int, int]
+
+
+def planned_indptr(indptr: np.ndarray, rows: Tuple[int, int]) -> PlannedIndptr:
+    """indptr as a PlannedIndptr whose requests have rows[0] to rows[1] rows each."""
+    planned = indptr.view(PlannedIndptr)
+    planned.rows = rows
+    return planned
 
 
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
@@ -439,7 +453,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
 
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
+    rows = None  # (fewest, most) rows per request, where known by construction
     if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
+        rows = qo_indptr.rows
         qo_indptr = qo_indptr.view(np.ndarray)  # a plain array from here (numpy ops on a subclass cost ~2x)
         qo_np = qo_indptr.astype(np.int64)
         qo_lens = qo_np[1:] - qo_np[:-1]
@@ -490,7 +506,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
-    max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
+    max_qo_len = rows[1] if rows is not None else int(np.maximum.reduce(qo_lens)) if batch else 0
     # batch-invariant: the decode wrapper's bound on its rows (a tree's 64 nodes) where it gives one, else any length
     max_qo = graph_max_qo if graph_tiles or (batch_invariant and graph_max_qo is not None) else \
         None if batch_invariant else max_qo_len if batch else 1
@@ -518,7 +534,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens_host=torch.from_numpy(kv_lens),
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
-        work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        min_qo_len = rows[0] if rows is not None else int(np.minimum.reduce(qo_lens)) if batch else 0
+        work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal,
+                             qo_range=(min_qo_len, max_qo_len))
         answers = {}  # _warp_specialized's, asked here for the tile order and again for split-KV: once each form
 
         def warp_specialized(graphed: bool) -> bool:
@@ -562,7 +580,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
             # a balanced persistent grid (on since session 36: causal batches of 8-16 up to 1.5x, docs/performance.md)
-            same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
+            same_tiles = min_qo_len == max_qo_len  # every request as many items
             ws, sms, per_request = attention_kernel.attention_ws, _num_sms(device), n // batch if same_tiles else None
             candidates = ws.grid_candidates(n * num_kv_heads, num_kv_heads, sms, per_request)
             if candidates and same_tiles and int(np.minimum.reduce(kv_lens)) == int(np.maximum.reduce(kv_lens)):
