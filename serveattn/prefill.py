@@ -543,8 +543,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             if graphed not in answers:
                 answers[graphed] = _warp_specialized(plan, kv_lens, graphed)
             return answers[graphed]
-        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small")
-        if order and chosen == "triton" and not graph_tiles and n > batch and \
+        # a tile a request (n == batch: decode-shaped plans) has one order: the switch is read only past that
+        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small") if n > batch else ""
+        if order and chosen == "triton" and not graph_tiles and \
                 (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
                 not warp_specialized(False):
             # prefill_kernel's eager grid, costliest tile of the batch first (=cost-small, the default: small batches
@@ -575,7 +576,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             plan.split_chunk = chunk
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
             work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
-        plan.work, plan.num_work_host = work, n
+        # numpy, the plan's own (build_work's and the order's pairs come as tensors): on the host to_device wraps it
+        # instead of copying it as it would a caller's tensor
+        plan.work, plan.num_work_host = work.numpy() if isinstance(work, torch.Tensor) else work, n
         # one request's tiles deal evenly on the SM count already (the model, 256-32768 rows, groups 1-8): batches only
         if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
@@ -590,7 +593,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
                                                          tuple(candidates))
             elif candidates:  # else the SM count stands: no item costs to compute
                 plan.ws_programs = ws.persistent_programs(
-                    item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
+                    item_costs(plan.work, qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
                     num_kv_heads, sms, per_request, candidates)
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
@@ -986,9 +989,9 @@ class _PrefillWrapper(WorkspaceAccessors):
                 plan = self._install_graph_plan(plan, graph_bufs)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
                 # the plan is this call's own (make_plan built it): set the device arrays in place; a replace()
-                # of this 45-field dataclass cost about 10 us of host time per plan
-                for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
-                                                  self._kept).items():
+                # of this 45-field dataclass cost about 10 us of host time per plan. Absent arrays stay None.
+                arrays = {n: t for n in _ARRAYS if (t := getattr(plan, n)) is not None}
+                for name, t in staging.to_device(arrays, self.device, self._kept).items():
                     setattr(plan, name, t)
         elif self._use_cuda_graph:
             self._torch_caps = graph_bufs if graph_bufs is not None else self._checked_torch(self._entry + ".plan",
