@@ -24,7 +24,7 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, PlannedIndptr, TileConfig, WorkspaceAccessors, check_capacity
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, WorkspaceAccessors, check_capacity, planned_indptr
 from .prefill import _single_prefill, even_splits, ragged_chunk, split_paged_cache, uneven_chunk
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -399,11 +399,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                 policy.refuse(entry, f"tree_parents has {sizes.size} parent arrays for a batch of {batch}.")
             qo_indptr = np.zeros(batch + 1, dtype=np.int32)
             qo_indptr[1:] = np.cumsum(sizes)
+            rows = (int(sizes.min()), int(sizes.max())) if batch else (0, 0)
             tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
         else:
             qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
+            rows = (q_len_per_req, q_len_per_req) if batch else (0, 0)
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
-        qo_indptr = qo_indptr.view(PlannedIndptr)  # make_plan trusts it (built here, valid by construction)
+        # make_plan trusts it and its row range (built here, valid by construction)
+        qo_indptr = planned_indptr(qo_indptr, rows)
         wrapper = self._prefill
         # one inner wrapper while the route holds (under CUDA graphs it always does): a new one a plan cost ~3-8 us
         if wrapper is None or wrapper._backend_request != route:
@@ -427,7 +430,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
                             o_data_type=o_data_type, tree_mask=tree_mask, split=split,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant,
+                            # an explicit backend was resolved by choose_decode above (the same device and call)
+                            resolved=self._backend_request != "auto")
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req

@@ -146,7 +146,8 @@ class Plan:
                 self.rcp_scale, self.q_dtype, self.kv_dtype, self.o_dtype, self.tiles, self.tree_mask_host is not None)
 
 
-def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False):
+def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False,
+               qo_range: Optional[Tuple[int, int]] = None):
     """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
@@ -160,14 +161,18 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     (docs/performance.md, session 35).
 
     numpy, not torch: a handful of small-array operations per plan(), each a few microseconds cheaper. The lengths
-    are host tensors or numpy arrays (the plan's own)."""
+    are host tensors or numpy arrays (the plan's own). qo_range: (shortest, longest) of qo_lens where the caller
+    has them (make_plan), else read here."""
     qo, kv = np.asarray(qo_lens), np.asarray(kv_lens)
     # A request's costliest tile is its last, which sees all kv_len keys (causal or not); a later tile never
     # sees fewer keys than an earlier one, so each request's tiles go last to first.
     # equal lengths (a decode batch, the common case): request order is already the stable order; no sort
     same = kv.size == 0 or int(np.minimum.reduce(kv)) == int(np.maximum.reduce(kv))
     by_cost = np.arange(kv.size) if same else np.argsort(-kv, kind="stable")
-    shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
+    if qo_range is not None:
+        shortest, longest = qo_range
+    else:
+        shortest, longest = (int(np.minimum.reduce(qo)), int(np.maximum.reduce(qo))) if qo.size else (0, 0)
     if _tiles(shortest, group, block_m) == 1 == _tiles(longest, group, block_m):
         work = np.zeros((qo.size, 2), dtype=np.int32)  # one tile a request (decode through this family)
         work[:, 0] = by_cost
@@ -392,7 +397,16 @@ def _tiles(qo_len, group: int, block_m: int):
 
 
 class PlannedIndptr(np.ndarray):
-    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks)."""
+    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks),
+    with `rows`, its (fewest, most) rows per request ((0, 0) for no requests), known by construction too."""
+    rows: Tuple[int, int]
+
+
+def planned_indptr(indptr: np.ndarray, rows: Tuple[int, int]) -> PlannedIndptr:
+    """indptr as a PlannedIndptr whose requests have rows[0] to rows[1] rows each."""
+    planned = indptr.view(PlannedIndptr)
+    planned.rows = rows
+    return planned
 
 
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
@@ -402,7 +416,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               graph_max_qo: Optional[int] = None, graph_split_kv: bool = False,
               tree_mask: Optional[torch.Tensor] = None, held: Optional[routing.Decision] = None,
               workspace_bytes: int = 0, split: tuple = (None, False), batch_invariant: bool = False,
-              table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES) -> Plan:
+              table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES, resolved: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
     qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
@@ -416,7 +430,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
     tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
     any others (tile rows and warps change the tensor-core instructions). The decode wrapper's chains all have
-    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant."""
+    q_len_per_req rows; its trees, up to 64, take tiles for 64 (graph_max_qo) when batch-invariant.
+    resolved: backend is the route the caller resolved from its explicit backend in this same call, on this device
+    (the decode wrapper's inner plan): taken as choose_prefill would return it, without resolving it again."""
     policy.check_heads(entry, num_qo_heads, num_kv_heads)
     policy.check_head_dim(entry, head_dim, head_dim_vo)
     policy.check_pos_encoding(entry, pos_encoding_mode)
@@ -437,7 +453,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
 
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
+    rows = None  # (fewest, most) rows per request, where known by construction
     if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
+        rows = qo_indptr.rows
         qo_indptr = qo_indptr.view(np.ndarray)  # a plain array from here (numpy ops on a subclass cost ~2x)
         qo_np = qo_indptr.astype(np.int64)
         qo_lens = qo_np[1:] - qo_np[:-1]
@@ -479,7 +497,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         tree=tree_mask is not None, window_left=window_left, soft_cap=logits_soft_cap,
         rope=pos_encoding_mode == "ROPE_LLAMA", use_cuda_graph=graph_tiles, qo_lens=qo_lens,
         kv_lens=kv_lens, batch_invariant=batch_invariant) if backend == "auto" and held is None else None
-    decision = routing.choose_prefill(entry, backend, request, device, held)
+    decision = routing.resolved_route(backend) if resolved else routing.choose_prefill(entry, backend, request,
+                                                                                           device, held)
     chosen = decision.backend
     # the torch route's own copy of the page table (it reads it at run()): a caller may rewrite its table after
     # plan(); the kernels' routes copy it to the device in _commit instead
@@ -487,7 +506,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
     group = num_qo_heads // num_kv_heads
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
-    max_qo_len = int(np.maximum.reduce(qo_lens)) if batch else 0
+    max_qo_len = rows[1] if rows is not None else int(np.maximum.reduce(qo_lens)) if batch else 0
     # batch-invariant: the decode wrapper's bound on its rows (a tree's 64 nodes) where it gives one, else any length
     max_qo = graph_max_qo if graph_tiles or (batch_invariant and graph_max_qo is not None) else \
         None if batch_invariant else max_qo_len if batch else 1
@@ -515,15 +534,18 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens_host=torch.from_numpy(kv_lens),
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
-        work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal)
+        min_qo_len = rows[0] if rows is not None else int(np.minimum.reduce(qo_lens)) if batch else 0
+        work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal,
+                             qo_range=(min_qo_len, max_qo_len))
         answers = {}  # _warp_specialized's, asked here for the tile order and again for split-KV: once each form
 
         def warp_specialized(graphed: bool) -> bool:
             if graphed not in answers:
                 answers[graphed] = _warp_specialized(plan, kv_lens, graphed)
             return answers[graphed]
-        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small")
-        if order and chosen == "triton" and not graph_tiles and n > batch and \
+        # a tile a request (n == batch: decode-shaped plans) has one order: the switch is read only past that
+        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small") if n > batch else ""
+        if order and chosen == "triton" and not graph_tiles and \
                 (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
                 not warp_specialized(False):
             # prefill_kernel's eager grid, costliest tile of the batch first (=cost-small, the default: small batches
@@ -554,12 +576,14 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             plan.split_chunk = chunk
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
             work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
-        plan.work, plan.num_work_host = work, n
+        # numpy, the plan's own (build_work's and the order's pairs come as tensors): on the host to_device wraps it
+        # instead of copying it as it would a caller's tensor
+        plan.work, plan.num_work_host = work.numpy() if isinstance(work, torch.Tensor) else work, n
         # one request's tiles deal evenly on the SM count already (the model, 256-32768 rows, groups 1-8): batches only
         if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
             # a balanced persistent grid (on since session 36: causal batches of 8-16 up to 1.5x, docs/performance.md)
-            same_tiles = int(np.minimum.reduce(qo_lens)) == max_qo_len  # every request as many items
+            same_tiles = min_qo_len == max_qo_len  # every request as many items
             ws, sms, per_request = attention_kernel.attention_ws, _num_sms(device), n // batch if same_tiles else None
             candidates = ws.grid_candidates(n * num_kv_heads, num_kv_heads, sms, per_request)
             if candidates and same_tiles and int(np.minimum.reduce(kv_lens)) == int(np.maximum.reduce(kv_lens)):
@@ -569,7 +593,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
                                                          tuple(candidates))
             elif candidates:  # else the SM count stands: no item costs to compute
                 plan.ws_programs = ws.persistent_programs(
-                    item_costs(work.numpy(), qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
+                    item_costs(plan.work, qo_lens, kv_lens, group, tiles.block_m, tiles.block_n, plan.causal),
                     num_kv_heads, sms, per_request, candidates)
         plan.num_work = np.array([n], dtype=np.int32)  # numpy: the plan's own (staging.to_device)
         plan.qo_indptr, plan.kv_indptr = qo_indptr, kv_indptr
@@ -965,9 +989,9 @@ class _PrefillWrapper(WorkspaceAccessors):
                 plan = self._install_graph_plan(plan, graph_bufs)
             else:  # copies, never aliases: the caller may reuse its index tensors after plan()
                 # the plan is this call's own (make_plan built it): set the device arrays in place; a replace()
-                # of this 45-field dataclass cost about 10 us of host time per plan
-                for name, t in staging.to_device({n: getattr(plan, n) for n in _ARRAYS}, self.device,
-                                                  self._kept).items():
+                # of this 45-field dataclass cost about 10 us of host time per plan. Absent arrays stay None.
+                arrays = {n: t for n in _ARRAYS if (t := getattr(plan, n)) is not None}
+                for name, t in staging.to_device(arrays, self.device, self._kept).items():
                     setattr(plan, name, t)
         elif self._use_cuda_graph:
             self._torch_caps = graph_bufs if graph_bufs is not None else self._checked_torch(self._entry + ".plan",
@@ -1228,7 +1252,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                     packed_custom_mask=None, causal=False, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
                     logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16",
                     kv_data_type=None, o_data_type=None, tree_mask=None, split=(None, False),
-                    batch_invariant=False):
+                    batch_invariant=False, resolved=False):
         plan = make_plan(
             self._entry + ".plan", paged=True, qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr,
             kv_indices=paged_kv_indices, last_page_len=paged_kv_last_page_len, page_size=page_size,
@@ -1240,7 +1264,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
             backend=self._backend_request, graph_tiles=self._use_cuda_graph,
             graph_max_qo=self._graph_max_qo, graph_split_kv=self._graph_split_kv, tree_mask=tree_mask, held=self._held,
             workspace_bytes=self._split_bytes(), split=split, batch_invariant=batch_invariant,
-            table_names=self._table_names)
+            table_names=self._table_names, resolved=resolved)
         self._commit(plan)
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None,

@@ -718,6 +718,12 @@ def _auto_done(device, decision: Decision) -> Decision:
     return decision
 
 
+def resolved_route(backend: str) -> Decision:
+    """choose_prefill's decision for an explicit backend that its caller resolved already (backends.resolve, on the
+    same device, in the same call: the decode wrapper's inner plan), without resolving it again."""
+    return _route(backend)
+
+
 def choose_prefill(entry: str, backend: str, req: Optional[Request], device,
                    held: Optional[Decision] = None) -> Decision:
     """The route of a prefill plan: an explicit backend as given (or refused), ``held`` under CUDA graphs, else
