@@ -505,8 +505,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     if paged and chosen == "torch":
         idx_host = kv_indices.clone() if kv_indices.is_cpu else torch.from_numpy(idx_np)
     group = num_qo_heads // num_kv_heads
+    # the fewest and most rows a request: the decode wrapper's by construction, else read once here
+    min_qo_len, max_qo_len = rows if rows is not None else \
+        (int(np.minimum.reduce(qo_lens)), int(np.maximum.reduce(qo_lens))) if batch else (0, 0)
     # Under CUDA graphs the tiles must serve any later plan: sized for graph_max_qo rows (None: any length).
-    max_qo_len = rows[1] if rows is not None else int(np.maximum.reduce(qo_lens)) if batch else 0
     # batch-invariant: the decode wrapper's bound on its rows (a tree's 64 nodes) where it gives one, else any length
     max_qo = graph_max_qo if graph_tiles or (batch_invariant and graph_max_qo is not None) else \
         None if batch_invariant else max_qo_len if batch else 1
@@ -534,7 +536,6 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         kv_lens_host=torch.from_numpy(kv_lens),
         mask_host=mask_host, tree_mask_host=tree_mask, decision=decision)
     if chosen != "torch":  # the cuDNN route keeps our kernel's schedule too: its fallback if cuDNN raises
-        min_qo_len = rows[0] if rows is not None else int(np.minimum.reduce(qo_lens)) if batch else 0
         work, n = build_work(qo_lens, kv_lens, group, tiles.block_m, plan.causal,
                              qo_range=(min_qo_len, max_qo_len))
         answers = {}  # _warp_specialized's, asked here for the tile order and again for split-KV: once each form
