@@ -27,7 +27,7 @@ def busiest(batch: int, length: int, group: int, overhead: float, sms: int, bala
     """The busiest program's blocks for `batch` causal requests of `length` tokens (the grid balanced or not)."""
     qo = np.full(batch, length)
     work, n = build_work(qo, qo, group, BLOCK, True)
-    costs = item_costs(work.numpy(), qo, qo, group, BLOCK, BLOCK, True)  # key blocks + 1 (the plan's model)
+    costs = item_costs(work, qo, qo, group, BLOCK, BLOCK, True)  # key blocks + 1 (the plan's model)
     tasks = np.repeat(costs - 1 + overhead, KV_HEADS).astype(np.float64)  # this fit's: key blocks + overhead
     if tasks.size <= sms:
         return float(tasks.max())

@@ -24,7 +24,7 @@ from . import routing
 from . import knobs, policy, staging
 from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, WorkspaceAccessors, check_capacity, planned_indptr
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, WorkspaceAccessors, check_capacity, planned_rows
 from .prefill import _single_prefill, even_splits, ragged_chunk, split_paged_cache, uneven_chunk
 from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
@@ -272,6 +272,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         self._caches = {}  # _cache_views' memo: id(cache) -> (weakref, what the views follow from, the views)
         self._done_count: Optional[torch.Tensor] = None  # fused folds: per (request, KV head), zero between runs
         self._prefill: Optional[BatchPrefillWithPagedKVCacheWrapper] = None  # the tensor-core / torch route
+        self._chain_rows = None  # ((batch, q_len_per_req), its PlannedRows): the tensor-core route's last chain shape
         self._graph_bufs: Optional[staging.Captured] = None
         self._graph_q_rows: Optional[int] = None  # the bandwidth route's first run() under CUDA graphs: q's rows
         self._graph_signature = None
@@ -390,7 +391,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         """One prefill plan with q_len_per_req rows per request; k > 1 rows are bottom-right causal among
         themselves and see the whole prefix (chain verify), kv_len >= k checked from the page metadata.
         tree: (sizes, ancestor words) of tree verify, the rows then also masked by the words. The query indptr
-        goes to the prefill planner as numpy: this plan's own, valid by construction (make_plan)."""
+        goes to the prefill planner as prefill.PlannedRows: this wrapper's own, valid by construction."""
         policy.check_index(entry, "indptr", indptr, min_len=1)
         batch = indptr.numel() - 1
         if tree is not None:
@@ -401,12 +402,16 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             qo_indptr[1:] = np.cumsum(sizes)
             rows = (int(sizes.min()), int(sizes.max())) if batch else (0, 0)
             tree_mask, max_rows, causal = torch.from_numpy(words), MAX_TREE_NODES, True
+            qo_rows = planned_rows(qo_indptr, rows)
         else:
-            qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
-            rows = (q_len_per_req, q_len_per_req) if batch else (0, 0)
+            # a chain's rows follow from (batch, q_len_per_req) alone: built once while they repeat (every decode
+            # step's plan), ~3 us of numpy
+            if self._chain_rows is None or self._chain_rows[0] != (batch, q_len_per_req):
+                qo_indptr = np.arange(0, (batch + 1) * q_len_per_req, q_len_per_req, dtype=np.int32)
+                self._chain_rows = (batch, q_len_per_req), planned_rows(
+                    qo_indptr, (q_len_per_req, q_len_per_req) if batch else (0, 0))
+            qo_rows = self._chain_rows[1]
             tree_mask, max_rows, causal = None, q_len_per_req, q_len_per_req > 1
-        # make_plan trusts it and its row range (built here, valid by construction)
-        qo_indptr = planned_indptr(qo_indptr, rows)
         wrapper = self._prefill
         # one inner wrapper while the route holds (under CUDA graphs it always does): a new one a plan cost ~3-8 us
         if wrapper is None or wrapper._backend_request != route:
@@ -425,7 +430,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
         if not self._use_cuda_graph:  # the plan's bound on its rows (batch-invariant tiles); fixed under graphs
             wrapper._graph_max_qo = max_rows
-        wrapper._plan_paged(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+        # make_plan trusts qo_rows (built here, valid by construction)
+        wrapper._plan_paged(qo_rows, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                             page_size, causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,

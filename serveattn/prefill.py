@@ -11,7 +11,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -148,7 +148,7 @@ class Plan:
 
 def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costliest_first: bool = False,
                qo_range: Optional[Tuple[int, int]] = None):
-    """(request, query tile) pairs, int32 [2 * n]: requests with the costliest tile first so the last wave is
+    """(request, query tile) pairs, int32 numpy [2 * n]: requests with the costliest tile first so the last wave is
     short, each request's tiles together (costliest first) so the programs running at once share its K/V in L2.
     Costliest-first over the whole batch instead ran each request's last tiles at once, every one on other K/V:
     16 x 2048 keys read all 268 MB of K/V from DRAM once per wave (16% slower, docs/performance.md session 10).
@@ -176,7 +176,7 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     if _tiles(shortest, group, block_m) == 1 == _tiles(longest, group, block_m):
         work = np.zeros((qo.size, 2), dtype=np.int32)  # one tile a request (decode through this family)
         work[:, 0] = by_cost
-        return torch.from_numpy(work.reshape(-1)), qo.size
+        return work.reshape(-1), qo.size
     tiles = _tiles(qo, group, block_m)
     n = int(tiles.sum())
     work = np.empty((n, 2), dtype=np.int32)
@@ -186,15 +186,15 @@ def build_work(qo_lens, kv_lens, group: int, block_m: int, causal: bool, costlie
     work[:, 1] = np.repeat(ends, counts) - 1 - np.arange(n)
     if costliest_first:
         return costliest_first_order(work, qo, kv, group, block_m, causal), n
-    return torch.from_numpy(work.reshape(-1)), n
+    return work.reshape(-1), n
 
 
-def costliest_first_order(work, qo_lens, kv_lens, group: int, block_m: int, causal: bool) -> torch.Tensor:
-    """build_work's pairs (numpy [n, 2] or its flat tensor) reordered every tile of the batch costliest first: by
-    the keys each tile's last row sees (item_costs in single keys), ties in their given order."""
+def costliest_first_order(work, qo_lens, kv_lens, group: int, block_m: int, causal: bool) -> np.ndarray:
+    """build_work's pairs (numpy, [n, 2] or flat) reordered every tile of the batch costliest first: by the keys
+    each tile's last row sees (item_costs in single keys), ties in their given order; flat int32."""
     pairs = np.asarray(work).reshape(-1, 2)
     pairs = pairs[np.argsort(-item_costs(pairs, qo_lens, kv_lens, group, block_m, 1, causal), kind="stable")]
-    return torch.from_numpy(np.ascontiguousarray(pairs).reshape(-1))
+    return np.ascontiguousarray(pairs).reshape(-1)
 
 
 def item_costs(work, qo_lens, kv_lens, group: int, block_m: int, block_n: int, causal: bool) -> np.ndarray:
@@ -396,17 +396,20 @@ def _tiles(qo_len, group: int, block_m: int):
     return (qo_len * group + block_m - 1) // block_m
 
 
-class PlannedIndptr(np.ndarray):
-    """An int32 query indptr the decode wrapper built itself (valid by construction: make_plan skips its checks),
-    with `rows`, its (fewest, most) rows per request ((0, 0) for no requests), known by construction too."""
+class PlannedRows(NamedTuple):
+    """The decode wrapper's query rows, which it built itself (valid by construction: make_plan skips its checks):
+    the int32 indptr, the same as int64, each request's rows, and (fewest, most) rows a request ((0, 0) for no
+    requests). Read-only by convention: a wrapper keeps one and passes it to each plan of the same shape."""
+    indptr: np.ndarray
+    indptr64: np.ndarray
+    lens: np.ndarray
     rows: Tuple[int, int]
 
 
-def planned_indptr(indptr: np.ndarray, rows: Tuple[int, int]) -> PlannedIndptr:
-    """indptr as a PlannedIndptr whose requests have rows[0] to rows[1] rows each."""
-    planned = indptr.view(PlannedIndptr)
-    planned.rows = rows
-    return planned
+def planned_rows(indptr: np.ndarray, rows: Tuple[int, int]) -> PlannedRows:
+    """PlannedRows of an int32 indptr whose requests have rows[0] to rows[1] rows each."""
+    indptr64 = indptr.astype(np.int64)
+    return PlannedRows(indptr, indptr64, indptr64[1:] - indptr64[:-1], rows)
 
 
 def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size,
@@ -419,8 +422,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
               table_names: Tuple[str, str, str] = policy.PREFILL_TABLE_NAMES, resolved: bool = False) -> Plan:
     """All host-side validation and schedule building; touches no state and no caller buffer.
 
-    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedIndptr (its rows per
-    request, valid by construction; any other numpy array is the caller's, and refused as a tensor would be).
+    qo_indptr: the caller's int32 tensor, checked here, or the decode wrapper's PlannedRows (valid by construction;
+    a numpy array is the caller's, and refused as a tensor would be).
     tree_mask (native tree verify, built and checked by the decode wrapper): int64 [total_q] ancestor words;
     the rows are then causal and, among the last qo_len keys, see only the keys whose bit is set.
     graph_split_kv: under use_cuda_graph=True, every plan takes split-KV's items (decode's tensor-core route).
@@ -454,11 +457,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     # Host arithmetic in numpy (a torch op on a small host tensor costs several times a numpy one, a numpy call
     # about a microsecond); the plan keeps torch views of the same int64 arrays.
     rows = None  # (fewest, most) rows per request, where known by construction
-    if isinstance(qo_indptr, PlannedIndptr):  # the decode planner's own: valid by construction
-        rows = qo_indptr.rows
-        qo_indptr = qo_indptr.view(np.ndarray)  # a plain array from here (numpy ops on a subclass cost ~2x)
-        qo_np = qo_indptr.astype(np.int64)
-        qo_lens = qo_np[1:] - qo_np[:-1]
+    if qo_indptr.__class__ is PlannedRows:  # the decode planner's own: valid by construction
+        qo_indptr, qo_np, qo_lens, rows = qo_indptr
     else:
         policy.check_index(entry, "qo_indptr", qo_indptr, min_len=1)
         qo_np = policy.host_array(qo_indptr)
@@ -576,10 +576,9 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
                 qo_lens, kv_lens, group, tiles.block_m, chunk)
             plan.split_chunk = chunk
         elif items and graph_tiles:  # the split kernel's items for an unsplit plan
-            work, plan.merge_rows = unsplit_items(work.numpy(), kv_lens), np.zeros(1, dtype=np.int32)
-        # numpy, the plan's own (build_work's and the order's pairs come as tensors): on the host to_device wraps it
-        # instead of copying it as it would a caller's tensor
-        plan.work, plan.num_work_host = work.numpy() if isinstance(work, torch.Tensor) else work, n
+            work, plan.merge_rows = unsplit_items(work, kv_lens), np.zeros(1, dtype=np.int32)
+        # numpy, the plan's own: on the host to_device wraps it instead of copying it as it would a caller's tensor
+        plan.work, plan.num_work_host = work, n
         # one request's tiles deal evenly on the SM count already (the model, 256-32768 rows, groups 1-8): batches only
         if chosen == "triton" and chunk is None and not graph_tiles and n > batch > 1 and device.type == "cuda" and \
                 attention_kernel.attention_ws is not None and knobs.get("SERVEATTN_PREFILL_WS_BALANCE", "1") == "1":
@@ -612,7 +611,7 @@ def _equal_batch_programs(batch: int, qo_len: int, kv_len: int, group: int, bloc
     order, each request's tiles last to first), kept per shape."""
     qo, kv = np.full(batch, qo_len, dtype=np.int64), np.full(batch, kv_len, dtype=np.int64)
     work, n = build_work(qo, kv, group, block_m, causal)
-    costs = item_costs(work.numpy(), qo, kv, group, block_m, block_n, causal)
+    costs = item_costs(work, qo, kv, group, block_m, block_n, causal)
     return attention_kernel.attention_ws.persistent_programs(costs, num_kv_heads, num_sms, n // batch,
                                                              list(candidates))
 

@@ -63,7 +63,7 @@ def test_ragged_run_with_k_none_is_refused(device):
 
 @pytest.mark.parametrize("indptr", [np.array([0, 5, 3, 8], np.int32), np.array([0.0, 3.0, 5.0, 8.0])])
 def test_numpy_qo_indptr_is_refused_as_not_a_tensor(indptr, device):
-    """Only the decode wrapper's own query indptr skips the checks (prefill.PlannedIndptr); a caller's numpy array
+    """Only the decode wrapper's own query rows skip the checks (prefill.PlannedRows); a caller's numpy array
     once did too: a decreasing one ran and wrote garbage."""
     w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
     with pytest.raises(ValueError, match="qo_indptr must be an int32 torch.Tensor, got ndarray"):

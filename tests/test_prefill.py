@@ -206,7 +206,7 @@ def test_work_list_keeps_each_request_together_costliest_first(causal):
     qo = torch.tensor([64, 0, 300, 10, 300, 33], dtype=torch.int32)
     kv = torch.tensor([64, 5, 300, 400, 900, 33], dtype=torch.int32)
     work, n = build_work(qo, kv, group, block_m, causal)
-    pairs = [tuple(p) for p in work.view(-1, 2).tolist()]
+    pairs = [tuple(p) for p in work.reshape(-1, 2).tolist()]
     tiles = [(int(q) * group + block_m - 1) // block_m for q in qo]
     assert n == len(pairs) == sum(tiles)
     assert sorted(pairs) == [(r, t) for r in range(len(tiles)) for t in range(tiles[r])]

@@ -17,7 +17,7 @@ def test_by_cost_lists_the_same_tiles_costliest_first(causal):
     qo, kv = np.array([300, 0, 40, 129]), np.array([300, 7, 900, 129])
     today, n = build_work(qo, kv, 2, 64, causal)
     ordered, m = build_work(qo, kv, 2, 64, causal, costliest_first=True)
-    pairs, by_cost = today.numpy().reshape(n, 2), ordered.numpy().reshape(m, 2)
+    pairs, by_cost = today.reshape(n, 2), ordered.reshape(m, 2)
     assert m == n and sorted(map(tuple, pairs)) == sorted(map(tuple, by_cost))
     req, tile = by_cost[:, 0], by_cost[:, 1]
     keys = kv[req] - (qo[req] - (np.minimum((tile + 1) * 64, qo[req] * 2) - 1) // 2 if causal else 0)

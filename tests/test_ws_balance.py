@@ -34,19 +34,19 @@ def test_item_costs_count_the_key_blocks_a_tile_sees():
     (last row) // group; non-causal: every tile sees the whole KV. One more for the tile's q and output."""
     qo, kv = np.array([300, 2]), np.array([300, 1000])
     work, n = build_work(qo, kv, 4, 128, True)
-    pairs = work.numpy().reshape(n, 2)
-    costs = item_costs(work.numpy(), qo, kv, 4, 128, 128, True)
+    pairs = work.reshape(n, 2)
+    costs = item_costs(work, qo, kv, 4, 128, 128, True)
     for (req, tile), cost in zip(pairs, costs):
         last_token = (min((tile + 1) * 128, qo[req] * 4) - 1) // 4
         keys = kv[req] - qo[req] + last_token + 1
         assert cost == -(-keys // 128) + 1
     assert list(costs[pairs[:, 0] == 1]) == [8 + 1]  # 2 rows x 4 heads in one tile: all 1000 keys
-    assert set(item_costs(work.numpy(), qo, kv, 4, 128, 128, False)) == {3 + 1, 8 + 1}
+    assert set(item_costs(work, qo, kv, 4, 128, 128, False)) == {3 + 1, 8 + 1}
 
 
 def _busiest_over_mean(qo, group, programs, num_kv_heads=8):
     work, _ = build_work(qo, qo, group, 128, True)
-    tasks = np.repeat(item_costs(work.numpy(), qo, qo, group, 128, 128, True), num_kv_heads)
+    tasks = np.repeat(item_costs(work, qo, qo, group, 128, 128, True), num_kv_heads)
     loads = attention_ws.program_loads(tasks, programs)
     return loads.max() / loads.mean(), tasks
 
@@ -58,7 +58,7 @@ def test_equal_causal_requests_get_a_grid_the_deal_balances():
     before, tasks = _busiest_over_mean(qo, 1, 132)
     assert before > 1.6
     work, _ = build_work(qo, qo, 1, 128, True)
-    programs = attention_ws.persistent_programs(item_costs(work.numpy(), qo, qo, 1, 128, 128, True), 8, 132)
+    programs = attention_ws.persistent_programs(item_costs(work, qo, qo, 1, 128, 128, True), 8, 132)
     assert programs == 128
     after, _ = _busiest_over_mean(qo, 1, programs)
     assert after < 1.05
@@ -69,7 +69,7 @@ def test_equal_causal_requests_get_a_grid_the_deal_balances():
 @pytest.mark.parametrize("qo, group", [(np.full(16, 2048), 4), (np.full(1, 4096), 4), (np.array([3000, 17]), 1)])
 def test_a_balanced_or_small_plan_keeps_one_program_an_sm(qo, group):
     work, n = build_work(qo, qo, group, 128, True)
-    programs = attention_ws.persistent_programs(item_costs(work.numpy(), qo, qo, group, 128, 128, True), 8, 132)
+    programs = attention_ws.persistent_programs(item_costs(work, qo, qo, group, 128, 128, True), 8, 132)
     assert programs == min(132, n * 8)
 
 
@@ -82,7 +82,7 @@ def test_the_grid_never_loads_its_busiest_program_more():
         qo = rng.integers(64, 4097, batch) if rng.random() < 0.5 else np.full(batch, int(rng.choice([512, 2048])))
         kv = qo + (rng.integers(0, 4096, batch) if rng.random() < 0.3 else 0)
         work, n = build_work(qo, kv, group, 128, True)
-        costs = item_costs(work.numpy(), qo, kv, group, 128, 128, True)
+        costs = item_costs(work, qo, kv, group, 128, 128, True)
         programs = attention_ws.persistent_programs(costs, 8, 132)
         tasks = np.repeat(costs.astype(np.float64), 8)
         if tasks.size <= 132:
@@ -98,7 +98,7 @@ def test_past_the_search_rounds_aligned_grids_are_tried():
     told nothing of the requests, the plan keeps 132."""
     qo = np.full(19, 4096)
     work, n = build_work(qo, qo, 1, 128, True)
-    costs = item_costs(work.numpy(), qo, qo, 1, 128, 128, True)
+    costs = item_costs(work, qo, qo, 1, 128, 128, True)
     assert n * 8 > attention_ws.SEARCH_ROUNDS * 132
     assert attention_ws.persistent_programs(costs, 8, 132, n // 19) == 128
     assert attention_ws.persistent_programs(costs, 8, 132, None) == 132
@@ -147,7 +147,7 @@ def test_equal_batches_take_the_general_grid(batch, qo_len, kv_len, group, causa
     qo, kv = np.full(batch, qo_len), np.full(batch, kv_len)
     work, n = build_work(qo, kv, group, block_m, causal)
     candidates = attention_ws.grid_candidates(n * hkv, hkv, sms, n // batch)
-    general = attention_ws.persistent_programs(item_costs(work.numpy(), qo, kv, group, block_m, block_n, causal), hkv,
+    general = attention_ws.persistent_programs(item_costs(work, qo, kv, group, block_m, block_n, causal), hkv,
                                                sms, n // batch, candidates) if candidates else sms
     assert _equal_batch_programs(batch, qo_len, kv_len, group, block_m, block_n, causal, hkv, sms,
                                  tuple(candidates)) == general
