@@ -365,6 +365,14 @@ def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
     chunk c's state in partial row base + t n + c; merge rows int32 [1 + 3 m]: m, then (output row, base + t n, n)
     per such token. Returns (work, items, merge_rows, merge count, partial rows)."""
     qo, kv = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+    if qo.size and int(np.minimum.reduce(qo)) == int(np.maximum.reduce(qo)) and \
+            int(np.minimum.reduce(kv)) == int(np.maximum.reduce(kv)):
+        return _equal_split_work(qo.size, int(qo[0]), int(kv[0]), group, block_m, chunk)
+    return _general_split_work(qo, kv, group, block_m, chunk)
+
+
+def _general_split_work(qo: np.ndarray, kv: np.ndarray, group: int, block_m: int, chunk: int):
+    """build_split_work for any lengths (int64 arrays)."""
     tiles = _tiles(qo, group, block_m)
     chunks = np.where(kv > chunk, -(-kv // chunk), 1)
     split = chunks > 1
@@ -389,6 +397,35 @@ def build_split_work(qo_lens, kv_lens, group: int, block_m: int, chunk: int):
     merge[0] = tok_req.size
     merge[1:] = np.stack([q_start[tok_req] + t, base[tok_req] + t * chunks[tok_req], chunks[tok_req]], 1).reshape(-1)
     return work.reshape(-1).astype(np.int32), int(req.size), merge, int(tok_req.size), int(rows.sum())
+
+
+def _equal_split_work(batch: int, qo_len: int, kv_len: int, group: int, block_m: int, chunk: int):
+    """build_split_work for `batch` requests of qo_len rows and kv_len keys each (one request, a uniform batch),
+    broadcast from one request's items: ~12 numpy calls instead of ~35 (50 -> ~15 us on a development CPU)."""
+    tiles = _tiles(qo_len, group, block_m)
+    chunks = -(-kv_len // chunk) if kv_len > chunk else 1
+    split = chunks > 1
+    first = np.arange(chunks) * chunk
+    requests = np.arange(batch)[:, None, None]
+    work = np.empty((batch, chunks, tiles, 6), dtype=np.int32)  # a request's chunks, each chunk's tiles last first
+    work[..., 0] = requests
+    work[..., 1] = np.arange(tiles - 1, -1, -1)
+    work[..., 2] = first[:, None]
+    work[..., 3] = (first + chunk)[:, None] if split else kv_len
+    if split:  # request r's token t keeps chunk c's state in partial row r qo_len chunks + t chunks + c
+        work[..., 4] = requests * (qo_len * chunks) + np.arange(chunks)[:, None]
+        work[..., 5] = chunks
+        tokens = np.arange(batch * qo_len)
+        merge = np.empty((1 + 3 * tokens.size,), dtype=np.int32)
+        merge[0] = tokens.size
+        rows = merge[1:].reshape(-1, 3)
+        rows[:, 0] = tokens
+        rows[:, 1] = tokens * chunks
+        rows[:, 2] = chunks
+        return work.reshape(-1), batch * chunks * tiles, merge, int(tokens.size), int(tokens.size * chunks)
+    work[..., 4] = -1
+    work[..., 5] = 0
+    return work.reshape(-1), batch * tiles, np.zeros(1, dtype=np.int32), 0, 0
 
 
 def _tiles(qo_len, group: int, block_m: int):

@@ -192,6 +192,26 @@ def test_work_items_carry_their_requests_kv(chunk):
     assert total == num_slots.sum() == (4 + 2 if chunk else 0)
 
 
+def test_equal_lengths_build_the_general_work_list():
+    """build_decode_work's path for requests of one length (broadcast from one request's chunks) gives the general
+    split path's arrays, dtypes and counts exactly: lengths at, below and past a chunk multiple, empty requests, one
+    chunk, both orders, int32 and int64 inputs."""
+    from serveattn.decode import _split_decode_work, build_decode_work
+
+    rng = np.random.default_rng(52)
+    for _ in range(400):
+        batch, kv_len = int(rng.integers(1, 40)), int(rng.choice([0, 1, 255, 256, 257, 4096, int(rng.integers(0, 9000))]))
+        chunk = int(rng.choice([16, 64, 256, 1000, 4096]))
+        kv = np.full(batch, kv_len, dtype=rng.choice([np.int32, np.int64]))
+        start = np.sort(rng.integers(0, 10 ** 6, batch)).astype(rng.choice([np.int32, np.int64]))
+        for costliest_first in (False, True):
+            fast, general = build_decode_work(kv, start, chunk, costliest_first), \
+                _split_decode_work(kv, start, chunk, costliest_first)
+            assert fast[1] == general[1] and fast[4] == general[4]
+            for a, b in ((fast[0], general[0]), (fast[2], general[2]), (fast[3], general[3])):
+                assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
     """The split-KV fold done by each (request, KV head)'s last decode program gives the merge kernel's bits (one

@@ -620,3 +620,22 @@ def test_graph_wrapper_shares_its_workspace_with_a_splitting_wrapper(device, mon
            q_data_type=torch.bfloat16)
     assert o._plan.num_merge == 0
     assert rel_err(o.run(pre.q, pre.cache), ref) < tolerance(torch.bfloat16)
+
+
+def test_equal_lengths_build_the_general_split_work():
+    """build_split_work's path for requests of one shape (broadcast from one request's items) gives the general
+    path's work list, merge rows and counts exactly: empty and one-row requests, lengths at and past a chunk
+    multiple, unsplit plans, groups and tiles of several sizes."""
+    rng = np.random.default_rng(52)
+    for _ in range(400):
+        batch, qo_len = int(rng.integers(1, 20)), int(rng.choice([0, 1, 4, 64, int(rng.integers(0, 300))]))
+        kv_len = qo_len + int(rng.choice([0, 1, 255, 256, 257, 8192, int(rng.integers(0, 9000))]))
+        chunk, group, block_m = int(rng.choice([16, 64, 256, 1024])), int(rng.choice([1, 4, 8])), \
+            int(rng.choice([16, 64, 128]))
+        qo = np.full(batch, qo_len, dtype=rng.choice([np.int32, np.int64]))
+        kv = np.full(batch, kv_len, dtype=rng.choice([np.int32, np.int64]))
+        fast = prefill.build_split_work(qo, kv, group, block_m, chunk)
+        general = prefill._general_split_work(qo.astype(np.int64), kv.astype(np.int64), group, block_m, chunk)
+        assert fast[1] == general[1] and fast[3:] == general[3:]
+        for a, b in ((fast[0], general[0]), (fast[2], general[2])):
+            assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b)
