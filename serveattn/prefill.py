@@ -581,8 +581,10 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
             if graphed not in answers:
                 answers[graphed] = _warp_specialized(plan, kv_lens, graphed)
             return answers[graphed]
-        # a tile a request (n == batch: decode-shaped plans) has one order: the switch is read only past that
-        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small") if n > batch else ""
+        # a tile a request (n == batch: decode-shaped plans) has one order, and one request's tiles are costliest
+        # first already (build_work: last to first, a stable sort of them is the identity): the switch is read only
+        # past those
+        order = knobs.get("SERVEATTN_PREFILL_ORDER", "cost-small") if n > batch > 1 else ""
         if order and chosen == "triton" and not graph_tiles and \
                 (order == "cost" or order == "cost-small" and _order_fits(plan, kv_lens)) and \
                 not warp_specialized(False):

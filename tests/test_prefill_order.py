@@ -24,6 +24,20 @@ def test_by_cost_lists_the_same_tiles_costliest_first(causal):
     assert np.all(np.diff(keys) <= 0)
 
 
+def test_one_request_is_already_costliest_first():
+    """make_plan skips the reorder for one request: build_work lists its tiles last to first, whose costs never
+    rise, so the stable costliest-first sort is the identity (random shapes, causal or not, groups 1-8)."""
+    from serveattn.prefill import costliest_first_order
+    rng = np.random.default_rng(52)
+    for _ in range(300):
+        qo = np.array([int(rng.integers(0, 3000))])
+        kv = qo + int(rng.integers(0, 5000))
+        group, block_m = int(rng.choice([1, 2, 4, 8])), int(rng.choice([16, 64, 128]))
+        for causal in (False, True):
+            work, _ = build_work(qo, kv, group, block_m, causal)
+            assert np.array_equal(costliest_first_order(work, qo, kv, group, block_m, causal), work)
+
+
 def test_order_moves_no_bit(device, monkeypatch):
     """A paged causal batch (shuffled pages, a partial last page, an empty request) planned both ways: the same
     bits, every element written, the reference's result; the knob's plan lists its tiles costliest first."""
