@@ -35,3 +35,20 @@ def test_each_pass_starts_one_runner_later(monkeypatch):
     assert case["ours_ok"]
     assert case["runners"]["a"]["ms_runs"] == [1.0, 3.0, 2.0] and case["runners"]["a"]["ms"] == 2.0
     assert case["runners"]["c"]["spread"] == (7.0 - 5.0) / 6.0
+
+
+def test_flush_option_picks_the_timing_loop(monkeypatch):
+    """--flush: every family takes zero (do_bench, the default) or read; bench_ms follows common.FLUSH."""
+    import pytest
+
+    from serveattn.bench.__main__ import FAMILIES, build_parser
+
+    for family in list(FAMILIES) + ["all"]:
+        assert build_parser().parse_args([family]).flush == "zero"
+        assert build_parser().parse_args([family, "--flush", "read"]).flush == "read"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--flush", "none"])
+    monkeypatch.setattr(common, "raise_clocks", lambda: None)
+    monkeypatch.setattr(common, "_bench_read_flush", lambda fn, warmup_ms, rep_ms: ("read", fn(), warmup_ms, rep_ms))
+    monkeypatch.setattr(common, "FLUSH", "read")
+    assert common.bench_ms(lambda: 7, 25, 100) == ("read", 7, 25, 100)

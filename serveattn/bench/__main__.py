@@ -49,6 +49,9 @@ def _shared(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", type=int, default=None,
                         help="interleaved timing passes per runner; the spread between them is the noise "
                              "(default 2; quick 1)")
+    parser.add_argument("--flush", choices=common.FLUSHES, default="zero",
+                        help="the L2 flush before each timed call: zero (do_bench's: 256 MB written, the L2 left "
+                             "dirty, so a small call also pays its write-back) or read (256 MB read: a clean L2)")
     parser.add_argument("--sets", type=int, default=None,
                         help="random input sets to rotate among while timing (default 2; quick 1)")
 
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
         except ImportError as exc:
             raise SystemExit(str(exc)) from None
     common.require_cuda()
+    common.FLUSH = args.flush
 
     names = list(FAMILIES) if args.family == "all" else [args.family]
     env = common.environment()
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     else:
         ceilings = common.Ceilings()
     payload = {"command": ["python", "-m", "serveattn.bench"] + list(argv if argv is not None else sys.argv[1:]),
-               "environment": env, "ceilings": ceilings.to_json(), "families": {}}
+               "environment": env, "ceilings": ceilings.to_json(), "flush": args.flush, "families": {}}
 
     def checkpoint(name):
         def save(result):
@@ -133,6 +137,7 @@ def main(argv=None) -> int:
         f"torch {env['torch']} (CUDA {env['cuda_runtime']}), triton {env['triton']}, python {env['python']}; "
         f"{env['date_utc']}",
         f"ceilings: {ceilings.describe()}",
+        f"L2 flush before each timed call: {args.flush} (--flush)",
         "",
     ]
     print("\n".join(header + reports), flush=True)

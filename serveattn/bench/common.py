@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -165,12 +166,60 @@ def discard_first_timing(ready: dict, timing: "Timing") -> None:
     bench_ms(rotating(next(iter(ready.values())).fns), timing.warmup_ms, timing.rep_ms)
 
 
-def bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
-    """Median time of one call of ``fn`` in ms (triton.testing.do_bench: CUDA events, L2 flushed per rep)."""
-    from triton.testing import do_bench
+#: How the L2 is emptied before each timed call (``--flush``). "zero": triton.testing.do_bench's own, a 256 MB
+#: buffer zeroed, which leaves the L2 full of dirty lines: the timed call's first misses write them back, so a call
+#: that moves less than a few L2 sizes also pays up to one L2 of DRAM writes. "read": the same buffer read (a sum),
+#: which evicts as much and leaves the L2 holding clean lines (as after a read-mostly kernel, e.g. a GEMM over
+#: weights); do_bench's loop otherwise (its estimate, warm-up and repetition counts, the median).
+FLUSHES = ("zero", "read")
+FLUSH = "zero"
+_flush_buffer = []
 
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """Median time of one call of ``fn`` in ms (CUDA events, the L2 emptied before every repetition as ``FLUSH``
+    says: triton.testing.do_bench itself for "zero")."""
     raise_clocks()
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    if FLUSH == "zero":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return _bench_read_flush(fn, warmup_ms, rep_ms)
+
+
+def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's loop with the flush a read of 256 MB instead of a write of it (FLUSH above)."""
+    import torch
+
+    if not _flush_buffer:
+        _flush_buffer.append(torch.ones(64 << 20, dtype=torch.int32, device="cuda"))
+    buf = _flush_buffer[0]
+
+    def flush():
+        torch.sum(buf)
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    n = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
 
 
 def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
