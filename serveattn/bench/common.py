@@ -187,6 +187,13 @@ def bench_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float
     return _bench_read_flush(fn, warmup_ms, rep_ms)
 
 
+def timing_phrase() -> str:
+    """How bench_ms times, for the reports' footers."""
+    if FLUSH == "zero":
+        return "triton.testing.do_bench (L2 flushed by zeroing 256 MB before every call"
+    return "do_bench's loop (L2 flushed by reading 256 MB before every call, --flush read: a clean L2"
+
+
 def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
     """do_bench's loop with the flush a read of 256 MB instead of a write of it (FLUSH above)."""
     import torch

@@ -538,7 +538,7 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"- floor = K/V bytes / {bw:.2f} TB/s (device copy, read + write: a read-only stream can pass it, "
              f"so '% of ceiling' can exceed 100%); 'ours/floor' is our time over it.",
              f"- {common.RATIO_NOTE}; peer cells: peer TB/s, ratio to the serveattn variant of the row.",
-             f"- ms: median of triton.testing.do_bench (L2 flushed before every call; warmup {cfg['warmup_ms']} "
+             f"- ms: median of {common.timing_phrase()}; warmup {cfg['warmup_ms']} "
              f"ms, rep {cfg['rep_ms']} ms), mean over {cfg['passes']} interleaved pass(es). 'b2b': mean ms per "
              f"call over a loop of calls back to back with no flush, which the host's launch cost bounds from "
              f"below: eager vs graph there is the launch overhead.",

@@ -777,7 +777,7 @@ def report(result: dict, ceilings: "common.Ceilings") -> str:
              f"graph: of cc-graph and tc-graph); 'b2b' the same on back-to-back times. Passes interleave the "
              f"runners of one case only, so a ratio between cases (k=4 over k=1) also holds any drift between "
              f"them; the spread is the noise within a case.",
-             f"- ms: median of triton.testing.do_bench (L2 flushed before every call; warmup {cfg['warmup_ms']} ms, "
+             f"- ms: median of {common.timing_phrase()}; warmup {cfg['warmup_ms']} ms, "
              f"rep {cfg['rep_ms']} ms), mean over {cfg['passes']} interleaved pass(es), {cfg['input_sets']} input "
              f"set(s) rotated. 'b2b': mean ms per call over a loop of calls with no flush (bounded below by the "
              f"host's launch cost: eager vs graph there is the launch overhead).",
