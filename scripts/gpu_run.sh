@@ -31,6 +31,7 @@
 #   scripts/gpu_run.sh probe-fp8-key-order   # fp8 GPU tests with SERVEATTN_FP8_KEY_ORDER=1, then fp8 prefill 1/0 alternating (on since session 13)
 #   scripts/gpu_run.sh fi-setup probe-host     # decode plan/run host us, ours and FlashInfer's, same process
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
+#   scripts/gpu_run.sh probe-flush             # the L2 flush: a plain read / copy and bench decode (FLUSH_CASES) under --flush zero / read (~1-2 min)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
@@ -174,6 +175,18 @@ step_fuzz() {  # the differential fuzzer on the GPU: the compiled kernels, fast 
   timeout -k 10 $((seconds + 120)) python3 scripts/fuzz.py --device cuda --family all --time-limit "$seconds" \
     --start "${FUZZ_START:-0}" --seeds 1000000 --scale "${FUZZ_SCALE:-1}" 2>&1 | tee "$OUT/fuzz.txt"
   return "${PIPESTATUS[0]}"  # fuzz.py exits 1 when any case failed
+}
+
+step_probe_flush() {  # the L2 flush's part in small calls: a plain read / copy, then bench decode under both flushes
+  local rc=0 f
+  timeout "${PROBE_TIMEOUT:-90}" python3 scripts/probe_flush.py 2>&1 | grep -v "Warn\|warn" | tee "$OUT/probe-flush.txt"
+  for f in zero read; do
+    timeout "$BENCH_TIMEOUT" python3 -m serveattn.bench decode --flush "$f" --cases "${FLUSH_CASES:-1x8192,8x4096,32x2048,64x1024}" \
+      --peers "${FLUSH_PEERS:-cudnn,cudnn-graph}" --ours cc,cc-graph $BENCH_ARGS --json "$OUT/bench-decode-flush-$f.json" \
+      > "$OUT/bench-decode-flush-$f.log" 2>&1 || rc=1
+    grep -A10 "^| case | ours | ms" "$OUT/bench-decode-flush-$f.log"
+  done
+  return $rc
 }
 
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)
