@@ -32,6 +32,7 @@
 #   scripts/gpu_run.sh fi-setup probe-host     # decode plan/run host us, ours and FlashInfer's, same process
 #   scripts/gpu_run.sh probe-ws-trace          # warp-specialized prefill: a task's cycles by part (PROBE_ARGS: --cases, --kinds)
 #   scripts/gpu_run.sh probe-flush             # the L2 flush: a plain read / copy and bench decode (FLUSH_CASES) under --flush zero / read (~1-2 min)
+#   scripts/gpu_run.sh probe-table-warm        # 1x8192 / 8x4096 / 32x2048 decode, the plan's page table cold or warm in the L2 after a clean flush (~1 min)
 #   scripts/gpu_run.sh probe-call-gap          # prefill calls: bench median vs kernels, host us a run(), syncs (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-decode-trace      # small-batch decode: a program's parts and the critical path (PROBE_ARGS)
 #   scripts/gpu_run.sh probe-prefill-split     # split-KV on the prefill kernel, off / on, FlashInfer tc beside (carry .fi)
@@ -187,6 +188,12 @@ step_probe_flush() {  # the L2 flush's part in small calls: a plain read / copy,
     grep -A10 "^| case | ours | ms" "$OUT/bench-decode-flush-$f.log"
   done
   return $rc
+}
+
+step_probe_table_warm() {  # small decode steps: the plan's page table in the L2 after the flush or not (PROBE_ARGS)
+  timeout "${PROBE_TIMEOUT:-150}" python3 scripts/probe_table_warm.py ${PROBE_ARGS:-} 2>&1 | grep -v "Warn\|warn" \
+    | tee "$OUT/probe-table-warm.txt"
+  return "${PIPESTATUS[0]}"
 }
 
 step_probe_call_gap() {  # prefill: a call's time besides its kernels, the host's us a run(), syncs (per route)

@@ -194,8 +194,11 @@ def timing_phrase() -> str:
     return "do_bench's loop (L2 flushed by reading 256 MB before every call, --flush read: a clean L2"
 
 
-def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
-    """do_bench's loop with the flush a read of 256 MB instead of a write of it (FLUSH above)."""
+def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float,
+                      after_flush: Optional[Callable[[], object]] = None) -> float:
+    """do_bench's loop with the flush a read of 256 MB instead of a write of it (FLUSH above). after_flush: run
+    after each flush, outside the timing (scripts/probe_table_warm.py brings a plan's small arrays back into the
+    L2 with it)."""
     import torch
 
     if not _flush_buffer:
@@ -204,6 +207,8 @@ def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float)
 
     def flush():
         torch.sum(buf)
+        if after_flush is not None:
+            after_flush()
 
     fn()
     torch.cuda.synchronize()
