@@ -52,3 +52,30 @@ def test_flush_option_picks_the_timing_loop(monkeypatch):
     monkeypatch.setattr(common, "_bench_read_flush", lambda fn, warmup_ms, rep_ms: ("read", fn(), warmup_ms, rep_ms))
     monkeypatch.setattr(common, "FLUSH", "read")
     assert common.bench_ms(lambda: 7, 25, 100) == ("read", 7, 25, 100)
+
+
+def test_read_flush_and_back_to_back_loops_on_fake_events(monkeypatch):
+    """The timing loops' plumbing on the CPU: CUDA events faked (each elapsed_time a fixed 0.5 ms), the flush
+    buffer a CPU tensor. The read flush runs after_flush after every flush and returns the median; back to back
+    divides its loop's time by its call count."""
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.5
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(common, "_flush_buffer", [torch.ones(16, dtype=torch.int32)])
+    calls, flushes = [], []
+    ms = common._bench_read_flush(lambda: calls.append(1), 1.0, 4.0, after_flush=lambda: flushes.append(1))
+    # the estimate: 0.5 ms over 5 repetitions, 0.1 each; then 1 ms / 0.1 of warm-up and 4 ms / 0.1 timed, each timed
+    # call (and each estimating one) after a flush
+    assert ms == 0.5 and len(calls) == 1 + 5 + 10 + 40 and len(flushes) == 5 + 40
+    calls.clear()
+    assert common.back_to_back_ms(lambda: calls.append(1), 1.0, 4.0) == 0.5 / 40
+    assert len(calls) == 1 + 5 + 10 + 40

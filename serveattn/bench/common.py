@@ -194,6 +194,21 @@ def timing_phrase() -> str:
     return "do_bench's loop (L2 flushed by reading 256 MB before every call, --flush read: a clean L2"
 
 
+def _estimate_ms(fn: Callable[[], object], step: Callable[[], object]) -> float:
+    """ms per ``step()`` over 5 of them, after one ``fn()`` and a sync (do_bench's estimate of a repetition)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 5
+
+
 def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float,
                       after_flush: Optional[Callable[[], object]] = None) -> float:
     """do_bench's loop with the flush a read of 256 MB instead of a write of it (FLUSH above). after_flush: run
@@ -210,16 +225,11 @@ def _bench_read_flush(fn: Callable[[], object], warmup_ms: float, rep_ms: float,
         if after_flush is not None:
             after_flush()
 
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
+    def step():
         flush()
         fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = start.elapsed_time(end) / 5
+
+    estimate_ms = _estimate_ms(fn, step)
     for _ in range(max(1, int(warmup_ms / estimate_ms))):
         fn()
     n = max(1, int(rep_ms / estimate_ms))
@@ -258,15 +268,8 @@ def back_to_back_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -
     """
     import torch
 
-    fn()
-    torch.cuda.synchronize()
+    estimate = max(_estimate_ms(fn, fn), 1e-4)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-4)
     for _ in range(max(1, int(warmup_ms / estimate))):
         fn()
     n = max(10, int(rep_ms / estimate))
