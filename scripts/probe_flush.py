@@ -1,5 +1,5 @@
 """How the L2 flush before a timed call moves small calls' times: a plain read (torch.sum) and a device copy of
-16-512 MB, each timed under the bench's two flushes (serveattn.bench.common.FLUSH: "zero", triton's do_bench,
+16-536 MB by default, each timed under the bench's two flushes (serveattn.bench.common.FLUSH: "zero", triton's do_bench,
 which leaves the L2 dirty; "read", which leaves it clean), alternating in one process. A call that reads less
 than a few L2 sizes pays the zero flush's write-back of dirty lines; a copy's own writes are the same either way.
 

@@ -19,10 +19,15 @@ from serveattn.bench import common, decode
 
 
 def plan_arrays(wrapper):
-    """The plan's device arrays a decode kernel reads besides q and the cache (None where absent)."""
+    """The plan's device arrays a decode kernel reads besides q and the cache (those it has)."""
     plan = wrapper._plan
     return [t for t in (plan.work, plan.num_work, plan.kv_indptr, plan.kv_indices, plan.last_page_len)
             if isinstance(t, torch.Tensor) and t.is_cuda]
+
+
+def sums(tensors):
+    """A call that reads each tensor (a sum apiece), bringing it into the L2."""
+    return lambda: [t.sum() for t in tensors]
 
 
 def main():
@@ -54,13 +59,9 @@ def main():
             arrays = touched[key]
             # cold: the same small sums, over arrays of the same sizes that no kernel reads
             strangers = [torch.empty_like(t) for t in arrays]
-
-            def after(ts):
-                return lambda: [t.sum() for t in ts]
-
             best = {}
             for _ in range(args.rounds):
-                for how, after_flush in (("cold", after(strangers)), ("warm", after(arrays))):
+                for how, after_flush in (("cold", sums(strangers)), ("warm", sums(arrays))):
                     ms = common._bench_read_flush(fn, 15, 60, after_flush=after_flush)
                     best[how] = min(best.get(how, ms), ms)
             print(f"| {name} | {key} | {best['cold'] * 1e3:.1f} | {best['warm'] * 1e3:.1f} | "
