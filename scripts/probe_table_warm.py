@@ -4,9 +4,9 @@ Under the bench's flush every array a kernel reads starts in DRAM, the plan's pa
 serving they were just written by plan() (or copied into a CUDA graph's buffers) and sit in the L2. Our paged
 kernel must read a program's page indices before it can ask for K/V (one more DRAM round trip than cuDNN's
 contiguous reads). This times bench decode's runners (ours cc eager and CUDA graph, cuDNN's graph) under the clean
-flush (common's "read"), then the same with the plan's small device arrays (work list, its count, kv_indptr,
-kv_indices, last_page_len) read back into the L2 after each flush, outside the timing; in one process, rounds
-alternating. Prediction (session 53): ours at 1x8192 ~0.7 us faster with the table warm (one DRAM trip), cuDNN
+flush (common's "read"), then the same with the plan's small device arrays (work list, its count, the split
+slots, kv_indptr, kv_indices, last_page_len) read back into the L2 after each flush, outside the timing; in one
+process, rounds alternating. Prediction (session 53): ours at 1x8192 ~0.7 us faster with the table warm (one DRAM trip), cuDNN
 level; larger steps level.
 
     python3 scripts/probe_table_warm.py [--cases 1x8192,8x4096,32x2048] [--rounds 3]
@@ -21,7 +21,8 @@ from serveattn.bench import common, decode
 def plan_arrays(wrapper):
     """The plan's device arrays a decode kernel reads besides q and the cache (those it has)."""
     plan = wrapper._plan
-    return [t for t in (plan.work, plan.num_work, plan.kv_indptr, plan.kv_indices, plan.last_page_len)
+    return [t for t in (plan.work, plan.num_work, plan.req_first_slot, plan.req_num_slots, plan.kv_indptr,
+                        plan.kv_indices, plan.last_page_len)
             if isinstance(t, torch.Tensor) and t.is_cuda]
 
 
@@ -47,7 +48,7 @@ def main():
         sets = [decode.build_inputs(meta, seed=100 * wi + i) for i in range(n_sets)]
         runners = {"cc": decode.prepare_ours(False, False, meta, sets),
                    "cc-graph": decode.prepare_ours(False, True, meta, sets),
-                   "cudnn-graph": decode.prepare_sdpa_graph("cudnn", meta, sets)}
+                   "cudnn-graph": decode.prepare_sdpa_graph("CUDNN_ATTENTION", meta, sets)}
         ours_wrapper = runners["cc"].keep
         graph_wrapper = runners["cc-graph"].keep[0]
         touched = {"cc": plan_arrays(ours_wrapper), "cc-graph": plan_arrays(graph_wrapper),
