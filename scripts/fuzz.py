@@ -954,7 +954,9 @@ def decode_case(case: Case, rng: random.Random, gen: torch.Generator):
     q_len = 1 if api == "single" or rng.random() < 0.65 else rng.randint(2, 4)
     split = rng.choice(["default", "disable", "fixed"])
     split_kw = {"disable": {"disable_split_kv": True}, "default": {},
-                "fixed": {"fixed_split_size": rng.choice([1, 5, 16, 32, 64])}}[split] if api == "batch" else {}
+                # fixed_split_size counts pages: about 1-64 keys a chunk, as before it did (the same draws)
+                "fixed": {"fixed_split_size": max(1, rng.choice([1, 5, 16, 32, 64]) // page_size)}}[split] \
+        if api == "batch" else {}
     opts = draw_logit_options(rng, 0.3, 0.3, 0.35, max_window=30)
     rope = rng.random() < (0.08 if use_tc else 0.03)  # on the bandwidth kernel: a refusal the README lists
     if rope:

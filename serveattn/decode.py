@@ -338,14 +338,15 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
-             q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
+             q_len_per_req=1, tree_parents=None, seq_lens=None, **unsupported_kwargs):
         """FlashInfer's decode plan, plus speculative verify: q_len_per_req=k (chain: k rows per request, the
         last k KV positions, bottom-right causal among themselves) or tree_parents (one parent array per
         request, -1 for a child of the prefix, at most 64 nodes; request i's rows are its tree's nodes in
         order, which are its last len(tree_parents[i]) KV positions; each sees the prefix, its ancestors and
         itself). Trees run on the tensor-core route; a chain runs on the bandwidth kernel (its split-KV included) when
         k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False, or auto's
-        choice over the hint)."""
+        choice over the hint). seq_lens (FlashInfer's, for its trtllm-gen backend): the page table decides, and a
+        seq_lens given must agree with it (policy.check_seq_lens)."""
         entry = self._entry + ".plan"
         if positional_rest:  # FlashInfer's releases order these differently (0.7 put o_data_type before data_type)
             policy.refuse(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by position; pass "
@@ -355,6 +356,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             policy.extra_kwargs(entry, unsupported_kwargs)
         if not policy.is_int(q_len_per_req) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
+        policy.check_seq_lens(entry, seq_lens, indptr, indices, last_page_len, page_size, policy.DECODE_TABLE_NAMES)
         tree = None
         if tree_parents is not None:
             if q_len_per_req != 1:
@@ -368,7 +370,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         if self._use_cuda_graph and self._graph_q_len is not None and mode != self._graph_q_len:
             policy.refuse(entry, f"under use_cuda_graph=True the verify mode is fixed by the first plan "
                                  f"(q_len_per_req or tree: {self._graph_q_len}); this plan asks for {mode}.")
-        fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv)
+        # fixed_split_size counts pages (FlashInfer's unit); tokens from here on
+        fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv, page_size)
         if data_type is not None:  # FlashInfer's older name, for whichever of the two was not given
             kv_data_type = data_type if kv_data_type is None else kv_data_type
             q_data_type = data_type if q_data_type is None else q_data_type

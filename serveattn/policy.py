@@ -229,16 +229,18 @@ def check_scalars(entry: str, *, sm_scale=None, window_left=-1, logits_soft_cap=
             refuse(entry, f"{name}={value!r} must be a positive finite float within float32's normal range.")
 
 
-def split_args(entry: str, fixed_split_size, disable_split_kv) -> Tuple[Optional[int], bool]:
+def split_args(entry: str, fixed_split_size, disable_split_kv, page_size=1) -> Tuple[Optional[int], bool]:
     """plan()'s (fixed_split_size, disable_split_kv) as (KV tokens per chunk or None for the library's choice,
-    whether the plan is batch-invariant: either one set). -1 is FlashInfer's own "not fixed" (its plan() turns None
-    into -1, and vLLM passes -1 outside its batch-invariant mode)."""
+    whether the plan is batch-invariant: either one set). fixed_split_size counts pages of a paged cache, as
+    FlashInfer's planners do (they multiply the chunk by page_size), and tokens of ragged K/V (page_size 1); a
+    page_size that is not a positive int is left to the page table's own refusal. -1 is FlashInfer's own "not
+    fixed" (its plan() turns None into -1, and vLLM passes -1 outside its batch-invariant mode)."""
     if fixed_split_size is None or (fixed_split_size == -1 and type(fixed_split_size) is int):
         return None, bool(disable_split_kv)
     if not is_int(fixed_split_size) or fixed_split_size < 1:
-        refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV tokens per chunk; a Python "
-                      f"int, not numpy's), or -1 or None for the library's choice.")
-    return fixed_split_size, True
+        refuse(entry, f"fixed_split_size={fixed_split_size!r} must be a positive int (KV pages per chunk, or tokens "
+                      f"for ragged K/V; a Python int, not numpy's), or -1 or None for the library's choice.")
+    return fixed_split_size * (page_size if is_int(page_size) and page_size > 0 else 1), True
 
 
 def check_graph_backend(entry: str, backend: str, use_cuda_graph: bool, device) -> None:
@@ -337,6 +339,30 @@ def page_table(entry: str, indptr: torch.Tensor, indices: torch.Tensor, last_pag
         check_last_page_len(entry, last_name, pages, last, page_size)
         kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
     return kv_lens, ip
+
+
+def check_seq_lens(entry: str, seq_lens, indptr, indices, last_page_len, page_size,
+                   names: Tuple[str, str, str] = PREFILL_TABLE_NAMES) -> None:
+    """FlashInfer's seq_lens (each request's KV length, which its trtllm-gen and cuDNN backends read): here the
+    page metadata decides what a request attends to (API.md), so a seq_lens that is given must agree with it, or
+    one of the caller's two descriptions of the batch is wrong and ignoring it would hide that. None passes."""
+    if seq_lens is None:
+        return
+    dtypes = (torch.int32, torch.int64) + ((torch.uint32,) if hasattr(torch, "uint32") else ())
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype not in dtypes:
+        got = (f"a {seq_lens.dim()}-D {seq_lens.dtype} tensor" if isinstance(seq_lens, torch.Tensor) else
+               type(seq_lens).__name__)
+        refuse(entry, f"seq_lens must be a 1-D int32 tensor of each request's KV length, or None; got {got}.")
+    kv_lens, _ = page_table(entry, indptr, indices, last_page_len, page_size, names)
+    given = seq_lens.detach().to("cpu").to(torch.int64).numpy()
+    if given.size != kv_lens.size:
+        refuse(entry, f"seq_lens has {given.size} entries for a batch of {kv_lens.size}.")
+    differ = np.flatnonzero(given != kv_lens)
+    if differ.size:
+        i = int(differ[0])
+        refuse(entry, f"seq_lens[{i}]={int(given[i])} but the page table gives request {i} {int(kv_lens[i])} keys; "
+                      f"the page metadata decides what a request attends to, so the two must agree (or pass "
+                      f"seq_lens=None).")
 
 
 def check_last_page_len(entry: str, name: str, pages: np.ndarray, last: np.ndarray, page_size: int) -> None:

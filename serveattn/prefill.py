@@ -466,7 +466,7 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
     graph_split_kv: under use_cuda_graph=True, every plan takes split-KV's items (decode's tensor-core route).
     held: under use_cuda_graph=True, the route of the first plan (routing: it holds).
     workspace_bytes: the float workspace's size; split-KV (split_chunk) only where its partial states fit.
-    split: (fixed_split_size, disable_split_kv) as plan() took them.
+    split: (fixed_split_size in KV tokens (plan() took pages of a paged cache: policy.split_args), disable_split_kv).
     batch_invariant: the prefill wrappers' plan() was given either (FlashInfer's batch-invariance arguments): the
     tiles and the route do not follow the batch's lengths, so a request's rows have the same bits alone or beside
     any others (tile rows and warps change the tensor-core instructions). The decode wrapper's chains all have
@@ -606,8 +606,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
         if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
             policy.refuse(entry, f"float_workspace_buffer holds {workspace_bytes} bytes for split-KV but "
-                                 f"fixed_split_size={split[0]} needs {need} bytes of partial states for this batch; "
-                                 f"pass a larger workspace (or disable_split_kv=True).")
+                                 f"fixed_split_size's chunks of {split[0]} KV tokens need {need} bytes of partial "
+                                 f"states for this batch; pass a larger workspace (or disable_split_kv=True).")
         if need > workspace_bytes:
             chunk = None  # the partial states would not fit: unsplit
         if chunk is not None:
@@ -1275,11 +1275,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
              o_data_type=None, non_blocking=True, *positional_rest, seq_lens=None, fixed_split_size=None,
              disable_split_kv=False, **unsupported_kwargs):
         """fixed_split_size / disable_split_kv (FlashInfer's, which vLLM passes for batch-invariant results): chunks
-        of that many KV tokens for every longer request, or no split-KV (split_chunk); with either given neither
-        the tiles nor backend='auto''s route follow the batch (make_plan), so a request's bits never depend on it."""
+        of that many pages (FlashInfer's unit: page_size tokens each) for every longer request, or no split-KV
+        (split_chunk); with either given neither the tiles nor backend='auto''s route follow the batch (make_plan),
+        so a request's bits never depend on it.
+        seq_lens (FlashInfer's per-request KV lengths for its trtllm-gen and cuDNN backends): the page table decides,
+        and a seq_lens given must agree with it (policy.check_seq_lens)."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
+        policy.check_seq_lens(self._entry + ".plan", seq_lens, paged_kv_indptr, paged_kv_indices,
+                              paged_kv_last_page_len, page_size)
         fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
-                                                              disable_split_kv)
+                                                              disable_split_kv, page_size)  # pages -> tokens
         self._plan_paged(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                          num_kv_heads, head_dim_qk, page_size, head_dim_vo, custom_mask, packed_custom_mask, causal,
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
@@ -1378,7 +1383,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
              use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
              rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True,
              *positional_rest, fixed_split_size=None, disable_split_kv=False, **unsupported_kwargs):
-        """fixed_split_size / disable_split_kv: as for the paged wrapper's plan()."""
+        """fixed_split_size / disable_split_kv: as for the paged wrapper's plan(), fixed_split_size in tokens here
+        (FlashInfer's ragged planner counts K/V rows as pages of one)."""
         _refuse_extra(self._entry + ".plan", unsupported_kwargs, positional_rest)
         fixed_split_size, batch_invariant = policy.split_args(self._entry + ".plan", fixed_split_size,
                                                               disable_split_kv)

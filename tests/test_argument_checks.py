@@ -188,6 +188,62 @@ def test_flashinfer_later_keywords_pass_at_their_no_op_values(device):
     serveattn.single_prefill_with_kv_cache(q1, kv, kv, kv_cache_sf=None, backend="triton")
 
 
+@pytest.mark.parametrize("wrapper", ["decode", "paged"])
+def test_seq_lens_must_agree_with_the_page_table(wrapper, device):
+    """FlashInfer's seq_lens (its trtllm-gen / cuDNN backends' KV lengths): the page table decides what a request
+    attends to, so a seq_lens that agrees is served as if absent (bitwise), and one that disagrees, or is not a 1-D
+    int tensor, is refused with a sentence; the refused plan leaves the previous one."""
+    b = _batch(device)
+    q = _decode_q(b, device) if wrapper == "decode" else b.q
+    planned = _decode(device, b) if wrapper == "decode" else _paged(device, b)
+    want = planned.run(q, b.cache)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend="triton") if wrapper == "decode" else \
+        serveattn.BatchPrefillWithPagedKVCacheWrapper(_ws(device), backend="triton")
+    head = (b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16) if wrapper == "decode" else \
+        (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16)
+    opts = dict(q_data_type=F16) if wrapper == "decode" else dict(causal=True, q_data_type=F16)
+    for dtype in (I32, torch.int64):
+        w.plan(*head, **opts, seq_lens=torch.tensor([40, 9, 23], dtype=dtype, device=device))
+        assert torch.equal(w.run(q, b.cache), want)
+    for bad, match in ((torch.tensor([40, 9, 22], dtype=I32, device=device),
+                        r"seq_lens\[2\]=22 but the page table gives request 2 23 keys; the page metadata decides "
+                        r"what a request attends to, so the two must agree \(or pass seq_lens=None\)\.$"),
+                       (torch.tensor([40, 9], dtype=I32, device=device), r"seq_lens has 2 entries for a batch of 3\."),
+                       (torch.tensor([40.0, 9.0, 23.0], device=device),
+                        r"seq_lens must be a 1-D int32 tensor of each request's KV length, or None; got a 1-D "
+                        r"torch.float32 tensor\."),
+                       ([40, 9, 23], r"or None; got list\.")):
+        with pytest.raises(ValueError, match=match):
+            w.plan(*head, **opts, seq_lens=bad)
+        assert torch.equal(w.run(q, b.cache), want)
+
+
+@pytest.mark.parametrize("wrapper,position,name", [
+    ("paged", 0, "qo_indptr"), ("paged", 1, "paged_kv_indptr"), ("paged", 2, "paged_kv_indices"),
+    ("paged", 3, "paged_kv_last_page_len"), ("ragged", 0, "qo_indptr"), ("ragged", 1, "kv_indptr"),
+    ("decode", 0, "indptr"), ("decode", 1, "indices"), ("decode", 2, "last_page_len")])
+def test_int64_index_tensors_are_refused_by_name(wrapper, position, name, device):
+    """API.md: index tensors are int32 and int64 is refused, never cast: every index argument of the three batch
+    wrappers' plan(), by its name, and the refused plan leaves the previous one."""
+    b = _batch(device)
+    if wrapper == "ragged":
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
+        args, opts = [b.qo_indptr, torch.tensor([0, 40, 49, 72], dtype=I32, device=device), 4, 2, 64], {}
+    elif wrapper == "paged":
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(_ws(device), backend="triton")
+        args, opts = [b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16], dict(causal=True)
+    else:
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend="triton")
+        args, opts = [b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16], {}
+    w.plan(*args, **opts, q_data_type=F16)
+    before = w._plan
+    args[position] = args[position].long()
+    with pytest.raises(ValueError, match=rf"plan: {name} has dtype torch.int64; index tensors must be int32 "
+                                         rf"\(int64 is not cast\)\.$"):
+        w.plan(*args, **opts, q_data_type=F16)
+    assert w._plan is before
+
+
 def test_positional_descales_and_the_return_lse_spelling(device):
     """FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v): a sentence, not Python's TypeError."""
     b = _batch(device)

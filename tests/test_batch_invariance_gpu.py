@@ -21,9 +21,10 @@ def _alone(b, qo, pages):
             b.last_page_len[:1])
 
 
-# fixed 1024: request 0 (700 keys) is unsplit alone (the unsplit kernel) and an unsplit item of the batch's split plan
-@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=512),
-                                   dict(fixed_split_size=1024)], ids=["disable", "fixed512", "fixed1024"])
+# fixed_split_size counts pages of 16 (FlashInfer's unit): 32 / 64 pages are chunks of 512 / 1024 keys. fixed 1024:
+# request 0 (700 keys) is unsplit alone (the unsplit kernel) and an unsplit item of the batch's split plan
+@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=32),
+                                   dict(fixed_split_size=64)], ids=["disable", "fixed512", "fixed1024"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_prefill_request_alone_is_its_rows_in_a_batch(split, causal, backend):
@@ -43,8 +44,8 @@ def test_prefill_request_alone_is_its_rows_in_a_batch(split, causal, backend):
     assert torch.equal(out1, out[: qo_lens[0]]) and torch.equal(lse1, lse[: qo_lens[0]])
 
 
-@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=256),
-                                   dict(fixed_split_size=1024)], ids=["disable", "fixed256", "fixed1024"])
+@pytest.mark.parametrize("split", [dict(disable_split_kv=True), dict(fixed_split_size=16),
+                                   dict(fixed_split_size=64)], ids=["disable", "fixed256", "fixed1024"])
 @pytest.mark.parametrize("use_tensor_cores", [False, True])
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_decode_request_alone_is_its_row_in_a_batch(split, use_tensor_cores, backend):

@@ -22,7 +22,7 @@ def _batch(kind, device, seed=3):
 def _plan(kind, w, b, num_kv_heads=2, q_dtype=torch.float16):
     if kind == "decode":  # fixed_split_size: requests split over several programs, merged
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, num_kv_heads, 64, 16, q_data_type=q_dtype,
-               fixed_split_size=32)
+               fixed_split_size=2)
     else:
         w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, num_kv_heads, 64, 16, causal=True,
                q_data_type=q_dtype)

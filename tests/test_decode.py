@@ -30,12 +30,13 @@ def _opts(variant):
     return {"plain": {}, "window": {"window_left": 9}, "soft_cap": {"logits_soft_cap": 4.0, "sm_scale": 0.2}}[variant]
 
 
-def _split_kwargs(split, kv_lens):
+def _split_kwargs(split, kv_lens, page_size):
+    """plan()'s split arguments; fixed_split_size counts pages (FlashInfer's unit)."""
     if split == "off":
         return {"disable_split_kv": True}
-    if split == "two":
-        return {"fixed_split_size": (max(kv_lens) + 1) // 2}
-    return {"fixed_split_size": 16}
+    if split == "two":  # about half the longest request's pages
+        return {"fixed_split_size": -(-((max(kv_lens) + 1) // 2) // page_size)}
+    return {"fixed_split_size": 1}  # one page: the kernel's block, many chunks
 
 
 @pytest.mark.parametrize("dtype,head_dim,split,layout,heads,page_size,form,variant", _cases())
@@ -54,7 +55,7 @@ def test_decode_against_reference(dtype, head_dim, split, layout, heads, page_si
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device), layout,
                                                      use_tensor_cores=use_tensor_cores, backend="triton")
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, head_dim, page_size, q_data_type=dtype,
-           **opts, **_split_kwargs(split, kv_lens))
+           **opts, **_split_kwargs(split, kv_lens, page_size))
     if not use_tensor_cores and split != "off":
         chunk = w._plan.chunk  # the split really happened, into as many chunks as the chunk size says
         assert chunk is not None and w._plan.num_slots == sum(-(-kv // chunk) for kv in kv_lens if kv > chunk)
@@ -93,7 +94,7 @@ def test_split_counts_agree(device):
                          page_size=16, dtype=torch.bfloat16, device=device)
     ref_out, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
-    for kw in ({"disable_split_kv": True}, {"fixed_split_size": 160}, {"fixed_split_size": 32}, {}):
+    for kw in ({"disable_split_kv": True}, {"fixed_split_size": 10}, {"fixed_split_size": 2}, {}):  # pages of 16
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
         out, lse = w.run(b.q, b.cache, return_lse=True)
@@ -101,6 +102,36 @@ def test_split_counts_agree(device):
         check_lse(lse, ref_lse)
         again = w.run(b.q, b.cache, return_lse=True)
         assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+def test_fixed_split_size_counts_pages(device):
+    """FlashInfer's unit (its planners multiply the chunk by page_size): fixed_split_size=N cuts a paged cache into
+    chunks of N pages, N x page_size keys rounded up to the kernel's block, on both decode routes and in the paged
+    prefill wrapper; the ragged wrapper's K/V rows count one each."""
+    gen = torch.Generator().manual_seed(31)
+    ws = torch.empty(8 << 20, dtype=torch.uint8, device=device)
+
+    def rounded(keys, block):
+        return -(-keys // block) * block
+
+    for page_size in (4, 16):
+        b = make_paged_batch(gen, qo_lens=[1, 1], kv_lens=[900, 77], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                             page_size=page_size, dtype=torch.bfloat16, device=device)
+        table = (b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, page_size)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
+        w.plan(*table, q_data_type=torch.bfloat16, fixed_split_size=5)
+        assert w._plan.chunk == rounded(5 * page_size, w._plan.tiles.block_n), page_size
+        tc = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        tc.plan(*table, q_data_type=torch.bfloat16, fixed_split_size=5)
+        inner = tc._prefill._plan
+        assert inner.split_chunk == rounded(5 * page_size, inner.tiles.block_n), page_size
+        p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
+        p.plan(b.qo_indptr, *table, causal=True, q_data_type=torch.bfloat16, fixed_split_size=5)
+        assert p._plan.split_chunk == rounded(5 * page_size, p._plan.tiles.block_n), page_size
+    r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="triton")
+    qo, kv = (torch.tensor(x, dtype=torch.int32, device=device) for x in ([0, 1, 2], [0, 900, 977]))
+    r.plan(qo, kv, 8, 2, 64, causal=True, q_data_type=torch.bfloat16, fixed_split_size=5)
+    assert r._plan.split_chunk == rounded(5, r._plan.tiles.block_n)
 
 
 def test_split_rule_and_its_measuring_knobs(monkeypatch):
@@ -229,8 +260,8 @@ def test_fused_merge_is_the_merge_kernel(q_len, device, monkeypatch):
         monkeypatch.setattr(decode_kernel, "MERGE_MODE", "1" if fused else "0")
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-               fixed_split_size=32, q_len_per_req=q_len)
-        chunk = w._plan.chunk  # 32 keys rounded up to the kernel's block
+               fixed_split_size=2, q_len_per_req=q_len)
+        chunk = w._plan.chunk  # 2 pages of 16 keys, rounded up to the kernel's block
         assert w._plan.num_slots == sum(-(-kv // chunk) for kv in kv_lens if kv > chunk) >= 4
         out = nan_like(b.q.shape, torch.bfloat16, device)
         lse = nan_like(b.q.shape[:2], torch.float32, device)
@@ -262,7 +293,7 @@ def test_merge_a_query_head_a_program(q_len, device, monkeypatch):
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(8 << 20, dtype=torch.uint8, device=device),
                                                       backend="triton")
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-           fixed_split_size=64, q_len_per_req=q_len)
+           fixed_split_size=4, q_len_per_req=q_len)
     assert w._plan.num_slots >= 8 and w._done_count is None
     out = nan_like(b.q.shape, torch.bfloat16, device)
     lse = nan_like(b.q.shape[:2], torch.float32, device)
@@ -354,7 +385,7 @@ def test_one_wrapper_moves_between_merge_kinds(device):
         outs = []
         for wrapper in (w, serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws), backend="triton")):
             wrapper.plan(b.kv_indptr, b.kv_indices, b.last_page_len, num_qo_heads, 2, 64, 16,
-                         q_data_type=torch.bfloat16, fixed_split_size=64)
+                         q_data_type=torch.bfloat16, fixed_split_size=4)
             assert wrapper._plan.merge == ("heads" if num_qo_heads == 16 else "fused") and wrapper._plan.num_slots
             out = nan_like(b.q.shape, torch.bfloat16, device)
             wrapper.run(b.q, b.cache, out=out)
@@ -366,7 +397,7 @@ def test_one_wrapper_moves_between_merge_kinds(device):
         assert rel_err(outs[0], ref_out) < 1e-2
 
 
-@pytest.mark.parametrize("split", [None, 64])
+@pytest.mark.parametrize("split", [None, 4])
 def test_costliest_first_order_moves_no_bit(split, device, monkeypatch):
     """SERVEATTN_DECODE_ORDER=cost (the default): the plan lists its items with the most keys first (a split
     request's chunks among them); each item carries its own slot, so the result is the request-order plan's, bit
@@ -449,7 +480,7 @@ def test_one_plan_serves_every_kind_of_call(device):
     def planned():
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16,
-               fixed_split_size=32)
+               fixed_split_size=2)
         return w
 
     def results(r):
@@ -477,7 +508,7 @@ def test_decode_backends_and_scales(backend, device):
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
                                                      backend=backend)
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 16, 2, 128, 16, q_data_type=torch.float16,
-           o_data_type=torch.bfloat16, fixed_split_size=32)
+           o_data_type=torch.bfloat16, fixed_split_size=2)
     assert w.backend == backend
     out, lse = w.run(b.q, b.cache, k_scale=0.7, v_scale=1.5, return_lse=True)
     assert out.dtype == torch.bfloat16
@@ -507,7 +538,7 @@ def test_rejected_decode_plan_leaves_previous_plan(device):
                          page_size=16, dtype=torch.float16, device=device)
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
                                                      backend="triton")
-    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16, fixed_split_size=128)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16, fixed_split_size=8)
     before = w.run(b.q, b.cache)
     # another page table, rejected late (its workspace need is too large): nothing of it may be installed
     tiny = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64, dtype=torch.uint8, device=device),
@@ -515,7 +546,7 @@ def test_rejected_decode_plan_leaves_previous_plan(device):
     with pytest.raises(ValueError, match=r"float_workspace_buffer holds 64 bytes but this plan's split-KV partial "
                                          r"states need \d+ bytes"):
         tiny.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
-                  fixed_split_size=128)
+                  fixed_split_size=8)
     with pytest.raises(ValueError, match="plan: last_page_len\\[1\\]=17"):
         w.plan(b.kv_indptr, torch.flip(b.kv_indices, [0]), torch.tensor([3, 17], dtype=torch.int32, device=device),
                4, 4, 64, 16, q_data_type=torch.float16)
@@ -617,7 +648,7 @@ def test_refused_decode_plan_leaves_the_wrapper_as_it_was(case, tensor_cores, de
     w = serveattn.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device),
                                                      use_tensor_cores=tensor_cores, backend="triton")
     args, kw = [b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4], dict(q_data_type=torch.float16)
-    w.plan(*args, **kw, fixed_split_size=8)  # split-KV, so the partial states are part of what must stay
+    w.plan(*args, **kw, fixed_split_size=2)  # 2 pages of 4 keys: split-KV, so the partial states must stay too
     before = w.run(b.q, b.cache, return_lse=True)
     if change == "head_dim":
         args[5] = 80
@@ -652,7 +683,7 @@ def test_misaligned_workspace_serves_unsplit_and_refuses_a_split(device):
                                          r"\(\d+ bytes\): a float workspace must be contiguous and start on a "
                                          r"16-byte boundary"):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 4, 64, 16, q_data_type=torch.float16,
-               fixed_split_size=128)
+               fixed_split_size=8)
     assert torch.equal(out, w.run(b.q, b.cache))  # the refused plan left the previous one
 
 
@@ -766,7 +797,7 @@ def _same_bits_and_the_reference(results, b, **opts):
     assert rel_err(out1, ref_out) < 1e-2
 
 
-@pytest.mark.parametrize("split", [None, 64])
+@pytest.mark.parametrize("split", [None, 4])
 def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
     """The decode kernel with int32 K/V offsets (OFF32, where the cache fits) gives the int64 kernel's bits, every
     row written, split or not, on a tuple cache with a non-contiguous view."""
@@ -782,8 +813,8 @@ def test_int32_kv_offsets_move_no_bit(split, device, monkeypatch):
 
 
 @pytest.mark.parametrize("q_len,opts,split", [
-    (1, {}, None), (1, {}, 64), (3, {}, None), (4, {}, 32), (1, {"window_left": 40}, None),
-    (1, {"logits_soft_cap": 5.0}, 64)], ids=["decode", "decode-split", "chain3", "chain4-split", "window", "softcap"])
+    (1, {}, None), (1, {}, 4), (3, {}, None), (4, {}, 2), (1, {"window_left": 40}, None),
+    (1, {"logits_soft_cap": 5.0}, 4)], ids=["decode", "decode-split", "chain3", "chain4-split", "window", "softcap"])
 def test_q_held_moves_no_bit(q_len, opts, split, device, monkeypatch):
     """SERVEATTN_DECODE_Q_HELD (kernels/decode.Q_HELD, measuring): q's operand held in registers over the KV loop;
     the result is the default kernel's, bit for bit, every row written, the reference's, with an empty request.
@@ -810,7 +841,7 @@ def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
     b.cache, b.q = b.cache.to(enc), b.q.to(torch.bfloat16)
     results = fp8_decode_runs(monkeypatch, decode_kernel, [{"Q_HELD": False, "Q_HELD_FP8": False},
                                                            {"Q_HELD": False, "Q_HELD_FP8": True}], b, enc,
-                              (8, 2), 64, 1, device, dict(fixed_split_size=64))
+                              (8, 2), 64, 1, device, dict(fixed_split_size=4))
     out, lse = results[1, enc]
     assert not out.isnan().any() and not lse.isnan().any()
     for other in (results[1, torch.bfloat16], results[0, enc], results[0, torch.bfloat16]):
@@ -818,7 +849,7 @@ def test_q_held_keeps_the_fp8_contract(enc, device, monkeypatch):
 
 
 @pytest.mark.parametrize("merge", ["1", "heads"], ids=["fused-fold", "merge-kernel"])
-@pytest.mark.parametrize("split", [None, 64])
+@pytest.mark.parametrize("split", [None, 4])
 def test_one_item_grid_keeps_the_bits(split, merge, device, monkeypatch):
     """ONE_ITEM (kernels/decode, on for eager launches): a program reads its one work item with no loop over the
     work list; the same bits as the strided loop (a CUDA graph's fixed grid), its items inlined or called
@@ -854,7 +885,7 @@ def test_fold_call_keeps_the_bits(group, device, monkeypatch):
                          head_dim=64, page_size=16, dtype=torch.float32, device=device)
     b.cache, b.q = b.cache.to(torch.float8_e4m3fn), b.q.to(torch.bfloat16)
     results = fp8_decode_runs(monkeypatch, decode_kernel, [{"FOLD_CALL": False}, {"FOLD_CALL": True}], b,
-                              torch.float8_e4m3fn, (2 * group, 2), 64, 1, device, dict(fixed_split_size=64))
+                              torch.float8_e4m3fn, (2 * group, 2), 64, 1, device, dict(fixed_split_size=4))
     for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):
         out, lse = results[1, kv_dtype]
         assert not out.isnan().any() and not lse.isnan().any()

@@ -314,7 +314,7 @@ CASES = {
                                 kv_dtype=E4M3, layout="HND", dtype=torch.float16),
     # 2 ranks, the Triton kernels (interpreter)
     "w2-triton-k1-split": dict(backend="triton", k=1, kv_lens=[70, 0, 5], ppr=[[10, 8], [0, 0], [2, 0]],
-                               dtype=torch.float16, split=dict(fixed_split_size=16)),
+                               dtype=torch.float16, split=dict(fixed_split_size=4)),  # 4 pages of 4 keys
     "w2-triton-k3-uneven": dict(backend="triton", k=3, kv_lens=[33, 9, 18, 60], ppr=[[8, 1], [3, 0], [4, 1], [14, 1]]),
     "w2-triton-k2-fp8-tc": dict(backend="triton", k=2, kv_lens=[21, 7], ppr=[[5, 1], [0, 2]], kv_dtype=E5M2,
                                 tc=True, tuple_cache=True),
@@ -440,10 +440,10 @@ def _cross_rank_refusals(group, rank, world, device):
             lambda: _short_verify(cp, rank, world))
     assert cp._plan is plan and torch.equal(cp.run(b.q, b.cache), before)
     # refused late, by one rank's decode wrapper (its workspace is too small for the split): raised everywhere
-    long = shard_page_table(*_table([140, 9], 4), 4, world, rank)  # 70 keys a rank: split in 32-key chunks
+    long = shard_page_table(*_table([140, 9], 4), 4, world, rank)  # 70 keys a rank: split in 8-page chunks
     small = ContextParallelDecode(group, torch.empty(64 if rank else 1 << 16, dtype=torch.uint8), backend="triton")
     _expect(ValueError, r"float_workspace_buffer holds 64 bytes" if rank else r"rank 1 refused its plan\(\)",
-            lambda: small.plan(*long, *args, q_data_type=torch.bfloat16, fixed_split_size=32))
+            lambda: small.plan(*long, *args, q_data_type=torch.bfloat16, fixed_split_size=8))
     assert small._plan is None
 
 

@@ -48,7 +48,7 @@ def _run_route(route, b, cache, kv_dtype, q_dtype, head_dim, layout, k_scale, v_
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=route == "decode_tc",
                                                          backend="triton")
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, head_dim, 16, q_data_type=q_dtype,
-               kv_data_type=kv_dtype, fixed_split_size=32)
+               kv_data_type=kv_dtype, fixed_split_size=2)
         return w.run(q, cache, return_lse=True, **kw)
     if route == "cascade":
         # level 0: the first request's pages shared by every query row; level 1: each request's own pages
@@ -118,7 +118,7 @@ def test_f16_scores_keep_the_dequantized_bits(enc, q_len, device, monkeypatch):
     exact = exact.flatten(2).all(2)
     assert not exact[2, 0] and not exact[3, 1] and not exact[4, 0] and exact[5].all() and exact[0].all()
     results = fp8_decode_runs(monkeypatch, decode_kernel, [{"F16_SCORES": False}, {"F16_SCORES": True}], b, enc,
-                              (8, 2), 64, q_len, device, dict(fixed_split_size=64), K_SCALE, V_SCALE)
+                              (8, 2), 64, q_len, device, dict(fixed_split_size=4), K_SCALE, V_SCALE)
     out, lse = results[1, enc]
     assert not out.isnan().any() and not lse.isnan().any()
     for other in (results[0, enc], results[1, torch.bfloat16]):

@@ -154,16 +154,16 @@ def test_prefill_plan_takes_flashinfers_split_arguments(device):
     b = _batch(device)
     want = _paged(device, b).run(b.q, b.cache)
     # -1: FlashInfer's "not fixed", which vLLM passes outside its batch-invariant mode
-    for kw in (dict(disable_split_kv=True), dict(fixed_split_size=64), dict(fixed_split_size=None),
+    for kw in (dict(disable_split_kv=True), dict(fixed_split_size=4), dict(fixed_split_size=None),
                dict(fixed_split_size=-1, disable_split_kv=False)):
         assert torch.equal(_paged(device, b, **kw).run(b.q, b.cache), want)
     for bad in (0, -2, 1.5):
-        with pytest.raises(ValueError, match=rf"fixed_split_size={bad} must be a positive int \(KV tokens per "
-                                             rf"chunk; a Python int, not numpy's\), or -1 or None for the library's "
-                                             rf"choice"):
+        with pytest.raises(ValueError, match=rf"fixed_split_size={bad} must be a positive int \(KV pages per "
+                                             rf"chunk, or tokens for ragged K/V; a Python int, not numpy's\), or -1 "
+                                             rf"or None for the library's choice"):
             _paged(device, b, fixed_split_size=bad)
-    with pytest.raises(ValueError, match=r"fixed_split_size=np.int64\(-1\) must be a positive int \(KV tokens per "
-                                         r"chunk; a Python int, not numpy's\)"):
+    with pytest.raises(ValueError, match=r"fixed_split_size=np.int64\(-1\) must be a positive int \(KV pages per "
+                                         r"chunk, or tokens for ragged K/V; a Python int, not numpy's\)"):
         _paged(device, b, fixed_split_size=np.int64(-1))
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
     with pytest.raises(ValueError, match="fixed_split_size=True must be a positive int"):

@@ -271,6 +271,49 @@ def test_a_caller_reusing_its_mask_and_page_table_after_plan_changes_nothing(bac
     assert rel_err(w.run(b.q, b.cache), want) < tolerance(torch.float16)
 
 
+@pytest.mark.parametrize("wrapper", ["paged", "ragged"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_custom_mask_overrides_causal(wrapper, backend, device):
+    """API.md: a mask overrides causal. With custom_mask or packed_custom_mask, causal=True gives causal=False's
+    bits and the reference's masked answer, rows the mask leaves empty 0 / -inf, every row written; a request with
+    fewer keys than rows (which causal alone refuses) is served under a mask."""
+    gen = torch.Generator().manual_seed(57)
+    qo_lens, kv_lens = [6, 5, 3], [13, 9, 2]  # request 2: 3 rows over 2 keys
+    b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                         page_size=4, dtype=torch.float16, device=device)
+    mask = torch.rand(sum(q * k for q, k in zip(qo_lens, kv_lens)), generator=gen) < 0.6
+    mask[6 * 13:6 * 13 + 9] = False  # request 1's first row sees no key
+    mask = mask.to(device)
+    want, want_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           custom_mask=mask)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    if wrapper == "paged":
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend=backend)
+        head, args = (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4), (b.q, b.cache)
+    else:
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend=backend)
+        kv_indptr = torch.tensor([0, 13, 22, 24], dtype=torch.int32, device=device)
+        k, v = (torch.randn(24, 2, 64, generator=gen).to(torch.float16).to(device) for _ in range(2))
+        want, want_lse = reference.batch_ragged(b.q, k, v, b.qo_indptr, kv_indptr, custom_mask=mask)
+        head, args = (b.qo_indptr, kv_indptr, 4, 2, 64), (b.q, k, v)
+    sizes = torch.tensor([0] + [q * k for q, k in zip(qo_lens, kv_lens)]).cumsum(0).to(torch.int32).to(device)
+    packed, _ = serveattn.segment_packbits(mask, sizes, "little")  # FlashInfer's form: each request's bits padded
+    results = []
+    for causal, masks in ((False, dict(custom_mask=mask)), (True, dict(custom_mask=mask)),
+                          (True, dict(packed_custom_mask=packed))):
+        w.plan(*head, causal=causal, q_data_type=torch.float16, **masks)
+        out = nan_like(b.q.shape, torch.float16, device)
+        lse = nan_like(b.q.shape[:2], torch.float32, device)
+        w.run(*args, out=out, lse=lse, return_lse=True)
+        results.append((out, lse))
+    for out, lse in results:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    out, lse = results[0]
+    assert not out.isnan().any() and rel_err(out, want) < tolerance(torch.float16)
+    check_lse(lse, want_lse)
+    assert (out[6] == 0).all() and (lse[6] == float("-inf")).all()
+
+
 @pytest.mark.parametrize("kind", ["paged-causal", "paged-window", "ragged", "decode-tc", "tree"])
 def test_int32_kv_offsets_move_no_bit(kind, device, monkeypatch):
     """SERVEATTN_PREFILL_KV_OFFSETS_32 (kernels/attention.PREFILL_OFF32, on by default for tiles of 64 rows and

@@ -377,7 +377,7 @@ def test_split_real_sizes(case, monkeypatch):
         if kind == "chunk":
             w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
             w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 128, 16, causal=True,
-                   q_data_type=torch.bfloat16, fixed_split_size=4096)
+                   q_data_type=torch.bfloat16, fixed_split_size=256)  # pages: 4096 keys
             plan = w._plan
         else:
             w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
@@ -508,17 +508,17 @@ def test_split_under_a_captured_graph(mode):
 
 
 def test_flashinfers_split_arguments(device):
-    """plan(fixed_split_size=N) cuts every request longer than N keys whatever the batch; disable_split_kv=True
-    forbids splitting (the decode wrapper's tensor-core route passes both on)."""
+    """plan(fixed_split_size=N) cuts every request longer than N pages (FlashInfer's unit) whatever the batch;
+    disable_split_kv=True forbids splitting (the decode wrapper's tensor-core route passes both on)."""
     gen = torch.Generator().manual_seed(23)
     b, opts = _split_batch(gen, device, torch.bfloat16, 64, (8, 2), "causal")
     ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
     w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
     w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
-           q_data_type=torch.bfloat16, fixed_split_size=100)  # rounded up to the block: 128
+           q_data_type=torch.bfloat16, fixed_split_size=7)  # 7 pages, 112 keys, rounded up to the block: 128
     assert w._plan.num_merge == 1 + 3 and w._plan.split_rows == 3 + 3 * 2
     d = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
-    for kw, split in ((dict(fixed_split_size=64), True), (dict(disable_split_kv=True), False)):
+    for kw, split in ((dict(fixed_split_size=4), True), (dict(disable_split_kv=True), False)):
         d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=torch.bfloat16, **kw)
         assert (d._prefill._plan.num_merge > 0) == split, kw
     # fixed_split_size promises the same chunks whatever the batch: partial states that do not fit are refused
@@ -529,10 +529,11 @@ def test_flashinfers_split_arguments(device):
                q_data_type=torch.bfloat16)  # the chunk left to the library: unsplit where it does not fit
     before = small._plan
     assert before.split is None
-    with pytest.raises(ValueError, match=r"holds 4096 bytes for split-KV but fixed_split_size=100 needs \d+ bytes "
-                                         r"of partial states for this batch; pass a larger workspace"):
+    with pytest.raises(ValueError, match=r"holds 4096 bytes for split-KV but fixed_split_size's chunks of 112 KV "
+                                         r"tokens need \d+ bytes of partial states for this batch; pass a larger "
+                                         r"workspace"):
         small.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, causal=True,
-                   q_data_type=torch.bfloat16, fixed_split_size=100)
+                   q_data_type=torch.bfloat16, fixed_split_size=7)
     assert small._plan is before
 
 
@@ -606,7 +607,7 @@ def test_graph_wrapper_shares_its_workspace_with_a_splitting_wrapper(device, mon
                            page_size=16, dtype=torch.bfloat16, device=device)
     p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
     p.plan(pre.qo_indptr, pre.kv_indptr, pre.kv_indices, pre.last_page_len, 8, 2, 64, 16, causal=True,
-           q_data_type=torch.bfloat16, fixed_split_size=64)
+           q_data_type=torch.bfloat16, fixed_split_size=4)
     assert p._plan.num_merge > 0
     p_out = p.run(pre.q, pre.cache)
     ref, _ = reference.batch_paged(pre.q, pre.cache, pre.qo_indptr, pre.kv_indptr, pre.kv_indices,
