@@ -1,7 +1,8 @@
 """What batch-invariant plans cost (GPU): the same calls planned as vLLM plans them in its two modes, timed in turn.
 
 vLLM's FlashInfer backend passes fixed_split_size=-1 / disable_split_kv=False normally, and a fixed chunk (2048
-for prefill, 4096 for decode) or disable_split_kv=True in its batch-invariant mode. Under either, our prefill
+for prefill, 4096 for decode; pages, FlashInfer's unit, so 32768 / 65536 keys at page 16 since session 54, when
+serveattn stopped reading them as keys) or disable_split_kv=True in its batch-invariant mode. Under either, our prefill
 tiles are the any-length ones (128 rows, not sized to the batch's longest request) and decode never chooses its
 split from the batch. This prints each case's time under each setting and the ratio to the ordinary plan.
 
