@@ -349,9 +349,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         seq_lens given must agree with it (policy.check_seq_lens)."""
         entry = self._entry + ".plan"
         if positional_rest:  # FlashInfer's releases order these differently (0.7 put o_data_type before data_type)
-            policy.refuse(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by position; pass "
-                                 f"those after kv_data_type by keyword (their order differs between FlashInfer "
-                                 f"releases).")
+            policy.unsupported(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by "
+                                      f"position; pass those after kv_data_type by keyword (their order differs "
+                                      f"between FlashInfer releases).")
         if unsupported_kwargs:
             policy.extra_kwargs(entry, unsupported_kwargs)
         if not policy.is_int(q_len_per_req) or q_len_per_req < 1:

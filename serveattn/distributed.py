@@ -375,9 +375,9 @@ class ContextParallelDecode:
                      pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
                      sm_scale, q_len_per_req, tree_parents, unsupported_kwargs, positional_rest: int = 0) -> dict:
         if positional_rest:  # raised on every rank alike, agreed like any other local refusal
-            policy.refuse(entry, f"plan() got {5 + positional_rest} arguments after page_size by position; pass "
-                                 f"those after kv_data_type by keyword (their order differs between FlashInfer "
-                                 f"releases).")
+            policy.unsupported(entry, f"plan() got {5 + positional_rest} arguments after page_size by position; "
+                                      f"pass those after kv_data_type by keyword (their order differs between "
+                                      f"FlashInfer releases).")
         if unsupported_kwargs:
             policy.extra_kwargs(entry, unsupported_kwargs)
         if tree_parents is not None:

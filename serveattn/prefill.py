@@ -1491,8 +1491,8 @@ def _positional_run_args(entry: str, tensors: str) -> None:
 
 def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None:
     if positional_rest:  # FlashInfer's later arguments (prefix_len_ptr, ...) in this place are not ours
-        policy.refuse(entry, f"plan() got {len(positional_rest)} arguments after non_blocking by position; pass them "
-                             f"by keyword.")
+        policy.unsupported(entry, f"plan() got {len(positional_rest)} arguments after non_blocking by position; "
+                                  f"pass them by keyword.")
     policy.extra_kwargs(entry, kwargs)
 
 
@@ -1541,9 +1541,9 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
     arguments after v come by keyword: FlashInfer 0.7 put scale_q, scale_k, scale_v, o_dtype where 0.2 had
     custom_mask, packed_custom_mask, causal."""
     if positional_rest:
-        policy.refuse("single_prefill_with_kv_cache", f"got {len(positional_rest)} arguments after v by position; "
-                                                      f"pass them by keyword (their order differs between "
-                                                      f"FlashInfer releases).")
+        policy.unsupported("single_prefill_with_kv_cache", f"got {len(positional_rest)} arguments after v by "
+                                                           f"position; pass them by keyword (their order differs "
+                                                           f"between FlashInfer releases).")
     policy.extra_kwargs("single_prefill_with_kv_cache", unsupported_kwargs)
     return _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                            window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale,

@@ -201,17 +201,17 @@ def test_optional_plan_arguments_by_position(device):
     ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
     d = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
     d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16)
-    with pytest.raises(ValueError, match="plan\\(\\) got 6 arguments after page_size by position; pass those after "
-                                         "kv_data_type by keyword"):
+    with pytest.raises(NotImplementedError, match="plan\\(\\) got 6 arguments after page_size by position; pass "
+                                                  "those after kv_data_type by keyword"):
         d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16, BF16)
     p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
-    with pytest.raises(ValueError, match="plan\\(\\) got 1 arguments after non_blocking by position"):
+    with pytest.raises(NotImplementedError, match="plan\\(\\) got 1 arguments after non_blocking by position"):
         p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, None, None, None, False,
                "NONE", False, None, -1, None, None, None, BF16, None, None, True, None)
     q = torch.randn(4, 8, 64).to(BF16).to(device)
     kv = torch.randn(9, 2, 64).to(BF16).to(device)
-    with pytest.raises(ValueError, match="single_prefill_with_kv_cache: got 1 arguments after v by position; pass "
-                                         "them by keyword"):
+    with pytest.raises(NotImplementedError, match="single_prefill_with_kv_cache: got 1 arguments after v by position; "
+                                                  "pass them by keyword"):
         serveattn.single_prefill_with_kv_cache(q, kv, kv, None)
 
 
@@ -219,8 +219,8 @@ def test_remaining_refusals(device):
     """The ragged plan()'s positional limit and a non-contiguous lse for lse_layout='HN'."""
     b = _batch(device)
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=device))
-    with pytest.raises(ValueError, match="plan\\(\\) got 1 arguments after non_blocking by position; pass them by "
-                                         "keyword"):
+    with pytest.raises(NotImplementedError, match="plan\\(\\) got 1 arguments after non_blocking by position; pass "
+                                                  "them by keyword"):
         r.plan(b.qo_indptr, b.qo_indptr, 8, 2, 64, None, None, None, False, "NONE", False, -1, None, None, None,
                None, BF16, None, None, True, 64)
     w = _paged(device, b)
