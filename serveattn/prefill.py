@@ -1502,6 +1502,14 @@ def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None
 SINGLE_WORKSPACE_BYTES = 32 << 20
 
 
+class _CallName(str):
+    """A single call's name as its inner wrapper's entry: the wrapper's refusals add ".plan" / ".run" to its entry,
+    and a caller of single_prefill_with_kv_cache called neither, so the name stays as it is."""
+
+    def __add__(self, suffix):
+        return self
+
+
 def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout, pos_encoding_mode, sm_scale,
                     window_left, logits_soft_cap, rope_scale, rope_theta, backend, return_lse, k_scale, v_scale,
                     entry, o_dtype=None, descales=None):
@@ -1520,7 +1528,7 @@ def _single_prefill(q, k, v, custom_mask, packed_custom_mask, causal, kv_layout,
     policy.check_backend(entry, backend)  # here, so the refusal names this entry, not the wrapper inside
     workspace = torch.empty(SINGLE_WORKSPACE_BYTES if backend != "torch" else 0, dtype=torch.uint8, device=q.device)
     wrapper = BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout, backend=backend)
-    wrapper._entry = entry
+    wrapper._entry = _CallName(entry)
     # a [qo_len, kv_len] mask goes as it is: the plan checks its shape (a transposed one has the same numel)
     wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32),
                  q.shape[1], num_kv_heads, q.shape[2], custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,

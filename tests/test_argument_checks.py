@@ -244,6 +244,17 @@ def test_int64_index_tensors_are_refused_by_name(wrapper, position, name, device
     assert w._plan is before
 
 
+def test_single_prefill_refusals_name_the_function(device):
+    """A refusal raised by single_prefill_with_kv_cache's inner plan or run names the function the caller called,
+    not the wrapper's methods."""
+    q = torch.randn(4, 8, 64, dtype=F16, device=device)
+    kv = torch.randn(9, 2, 64, dtype=F16, device=device)
+    with pytest.raises(ValueError, match=r"^single_prefill_with_kv_cache: window_left=-5 must be an int >= -1"):
+        serveattn.single_prefill_with_kv_cache(q, kv, kv, window_left=-5, backend="triton")
+    with pytest.raises(ValueError, match=r"^single_prefill_with_kv_cache: scale_q apply to an fp8 query"):
+        serveattn.single_prefill_with_kv_cache(q, kv, kv, scale_q=torch.ones(1, device=device), backend="triton")
+
+
 def test_positional_descales_and_the_return_lse_spelling(device):
     """FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v): a sentence, not Python's TypeError."""
     b = _batch(device)
