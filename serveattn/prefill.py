@@ -1167,7 +1167,15 @@ class _PrefillWrapper(WorkspaceAccessors):
                 policy.check_scales(self._entry + ".run", self._plan.device, self._plan.sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
         plan = self._plan
-        if plan.backend == "cudnn":
+        if plan.backend == "cudnn" and isinstance(k_scale, torch.Tensor) and k_scale.device.type != "cpu":
+            # cuDNN takes the logits' scale as a host float, and reading a device k_scale would wait for the GPU
+            # (run() only launches): this call runs our kernel, which reads it on the device (the plan keeps the
+            # schedule for it)
+            twin = plan.launch_memo.get("triton")
+            if twin is None:
+                twin = plan.launch_memo["triton"] = replace(plan, backend="triton")
+            plan = twin
+        elif plan.backend == "cudnn":
             try:
                 return vendor.prefill(q, k, v, out, lse, return_lse, plan, self._kv_layout, k_scale, v_scale)
             except RuntimeError as exc:  # cuDNN could not build or run this shape: our kernel, from now on

@@ -1,13 +1,14 @@
 """API.md: run() only launches kernels and allocates nothing when buffers are given (out, and lse where it is
-returned). Counted with the CUDA caching allocator's allocation counter around a run() after a first one (which
-may build launch state on the host, never device memory). The eager paths that do allocate (README, "What is
+returned). A run() after a first one (which may build launch state on the host, never device memory) runs under
+torch's sync debug mode "error" (any wait for the GPU raises) and the CUDA caching allocator's allocation counter. The eager paths that do allocate (README, "What is
 served": the warp-specialized prefill kernel's ragged copy of a paged cache, an fp8 cache's widened or a 16-bit
 cache's where the copy pays; fp8 attention's transposed V; descales given in mixed forms) are counted as such."""
 import pytest
 import torch
 
 import serveattn
-from helpers import make_paged_batch, nan_like
+from serveattn import reference, routing
+from helpers import make_paged_batch, nan_like, rel_err, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -16,9 +17,14 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def _allocations(fn) -> int:
+    """Device allocations fn makes; a wait for the GPU inside it raises."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    fn()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return torch.cuda.memory_stats()["allocation.all.allocated"] - before
 
@@ -33,7 +39,7 @@ def _workspace():
 
 
 @pytest.mark.parametrize("case", ["unsplit", "split", "tensor-cores", "chain"])
-def test_decode_run_allocates_nothing(case):
+def test_decode_run_allocates_nothing_and_never_waits(case):
     gen = torch.Generator().manual_seed(3)
     batch, kv = {"unsplit": (64, 512), "split": (2, 4096), "tensor-cores": (16, 1024), "chain": (8, 2048)}[case]
     q_len = 4 if case == "chain" else 1
@@ -52,7 +58,7 @@ def test_decode_run_allocates_nothing(case):
 
 
 @pytest.mark.parametrize("case", ["paged", "ragged", "cascade"])
-def test_prefill_run_allocates_nothing(case):
+def test_prefill_run_allocates_nothing_and_never_waits(case):
     gen = torch.Generator().manual_seed(5)
     qo_lens, kv_lens = [300, 77], [700, 77]
     b = make_paged_batch(gen, qo_lens=qo_lens, kv_lens=kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
@@ -88,3 +94,25 @@ def test_prefill_run_allocates_nothing(case):
     else:
         assert _run_twice(lambda: w.run(*args, out=out, lse=lse, return_lse=True)) == expected
     assert not out.isnan().any()
+
+
+def test_cudnn_route_with_a_device_k_scale_never_waits():
+    """The cuDNN route takes the logits' scale as a host float: a k_scale on the device would be read back (a wait
+    for the GPU), so such a call runs our kernel on the plan's schedule instead; the route stays cuDNN's."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(600, HQ, D, generator=gen).to("cuda", BF16)
+    k, v = (torch.randn(600, HKV, D, generator=gen).to("cuda", BF16) for _ in range(2))
+    indptr = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
+    try:
+        with routing.forced(prefill="cudnn"):
+            w.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=BF16)
+    except NotImplementedError as exc:
+        pytest.skip(f"the cuDNN route is not capable here: {exc}")
+    assert w.backend == "cudnn"
+    ks, vs = torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda")
+    out = nan_like(q.shape, BF16, "cuda")
+    assert _run_twice(lambda: w.run(q, k, v, out=out, k_scale=ks, v_scale=vs)) == 0
+    ref, _ = reference.batch_ragged(q, k, v, indptr, indptr, causal=True, k_scale=0.5, v_scale=2.0)
+    assert rel_err(out, ref) < tolerance(BF16)
+    assert w.backend == "cudnn"
