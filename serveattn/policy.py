@@ -486,8 +486,8 @@ def _unit_descale(device: torch.device) -> torch.Tensor:
 def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale=None, v_scale=None,
                    q_dtype: Optional[torch.dtype] = None, device=None, num_qo_heads: int = 0,
                    num_kv_heads: int = 0):
-    """fp8-attention descales: float32 tensors on q's device of one element or one per head ([Hq], [Hkv],
-    [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query. Their
+    """fp8-attention descales: float32 tensors on q's device of one element (of any shape, as k_scale) or one per
+    head ([Hq], [Hkv], [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query. Their
     values must be positive and finite (quantization scales); like tensor k_scale/v_scale they are not read here.
     Returns (scale_q, scale_k, scale_v) for an fp8 query (None entries become ones), else None."""
     given = [n for n, s in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)) if s is not None]
@@ -504,15 +504,15 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
                            ("scale_v", scale_v, num_kv_heads)):
         if s is None:
             s = _unit_descale(device)
-        elif not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or \
-                s.numel() not in (1, heads):
+        elif not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or \
+                not (s.numel() == 1 or s.dim() == 1 and s.numel() == heads):
             shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
             refuse(entry, f"{name} has shape {shape}"
                           f"{' and dtype ' + str(s.dtype) if isinstance(s, torch.Tensor) else ''}; a descale is a "
-                          f"float32 tensor of shape [1] (per tensor) or [{heads}] (per head).")
+                          f"float32 tensor of one element (per tensor) or of shape [{heads}] (per head).")
         elif s.device != device:
             refuse(entry, f"{name} is on {s.device}; a descale must be on {device}.")
-        out.append(s.contiguous())
+        out.append(s.contiguous() if s.dim() == 1 else s.reshape(1))  # one element of another shape: a [1] view
     dq, dk, dv = out
     if dk.numel() != dv.numel():  # the kernels read scale_k and scale_v with one stride: both per head, then
         dk, dv = (d.expand(num_kv_heads).contiguous() if d.numel() == 1 else d for d in (dk, dv))

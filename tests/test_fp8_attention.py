@@ -138,6 +138,11 @@ def test_paged_fp8_attention_and_o_data_type(backend, device):
            q_data_type=enc, kv_data_type=enc, o_data_type=torch.float16)
     out = w.run(q8.to(device), cache8, scale_q=sq.to(device), scale_k=sk.to(device), scale_v=sv.to(device))
     assert out.dtype == torch.float16
+    # "one element" in any shape, as k_scale takes it: 0-d and [1, 1] give [1]'s bits
+    for shaped in (lambda t: t.reshape(()), lambda t: t.reshape(1, 1)):
+        again = w.run(q8.to(device), cache8, scale_q=shaped(sq).to(device) if sq.numel() == 1 else sq.to(device),
+                      scale_k=shaped(sk).to(device), scale_v=shaped(sv).to(device))
+        assert torch.equal(again, out)
     ref, _ = reference.batch_paged(_dequant(q8, sq).to(device), cache8.double() * 8, b.qo_indptr, b.kv_indptr,
                                    b.kv_indices, b.last_page_len, causal=True)
     assert rel_err(out, ref) < 5e-2
@@ -211,7 +216,8 @@ def test_fp8_attention_refusals(device):
     q8 = torch.randn(4, 8, 64).to(enc).to(device)
     k8 = torch.randn(10, 2, 64).to(enc).to(device)
     one = torch.ones(1, device=device)
-    with pytest.raises(ValueError, match="scale_k has shape \\(3,\\).*\\[1\\] \\(per tensor\\) or \\[2\\]"):
+    with pytest.raises(ValueError, match="scale_k has shape \\(3,\\).*of one element \\(per tensor\\) or of shape "
+                                         "\\[2\\]"):
         _single(q8, k8, k8, one, torch.ones(3, device=device), one)
     with pytest.raises(ValueError, match="scale_q has shape \\(1,\\) and dtype torch.float16"):
         _single(q8, k8, k8, one.half(), one, one)

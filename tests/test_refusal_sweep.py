@@ -132,7 +132,8 @@ CASES = [
     ("descales-16bit-query", BF16, E4M3, E4M3, None, "descale", ValueError, "apply to an fp8 query"),
     ("descales-with-k_scale", BF16, E4M3, E4M3, None, "descale+k_scale", ValueError, "scaled twice"),
     ("descale-wrong-shape", E4M3, E4M3, E4M3, None, "descale-shape", ValueError,
-     "scale_q has shape \\(3,\\) and dtype torch.float32; a descale is a float32 tensor of shape \\[1\\]"),
+     "scale_q has shape \\(3,\\) and dtype torch.float32; a descale is a float32 tensor of one element \\(per "
+     "tensor\\) or of shape \\["),
     ("descale-wrong-device", E4M3, E4M3, E4M3, None, "descale-device", ValueError, "a descale must be on"),
 ]
 
