@@ -73,6 +73,29 @@ def test_cudnn_route_against_the_reference(case, dtype, layout):
     assert w.backend == "cudnn"  # nothing fell back
 
 
+def test_cudnn_route_with_a_device_k_scale_never_waits():
+    """cuDNN takes the logits' scale as a host float: a k_scale on the device would be read back (a wait for the
+    GPU, where run() only launches), so such a call runs our kernel on the plan's schedule instead, allocating
+    nothing into the caller's buffer; the route stays cuDNN's."""
+    q, k, v, kk, vv, qo, kv = _ragged(2, 300, 300, 32, 8, 128, torch.bfloat16, seed=9)
+    w = _wrapper()
+    _plan_cudnn(w, qo, kv, 32, 8, 128, True, torch.bfloat16)
+    ks, vs = torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda")
+    out = nan_like(q.shape, torch.bfloat16, "cuda")
+    w.run(q, kk, vv, out=out, k_scale=ks, v_scale=vs)  # the first call builds its launch state
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w.run(q, kk, vv, out=out, k_scale=ks, v_scale=vs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    ref, _ = reference.batch_ragged(q, k, v, qo, kv, causal=True, k_scale=0.5, v_scale=2.0)
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
+    assert w.backend == "cudnn"
+
+
 def test_auto_picks_cudnn_where_the_table_says():
     cap = torch.cuda.get_device_capability()
     table = routing.table_for(cap)

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import serveattn
-from serveattn import reference, routing
-from helpers import make_paged_batch, nan_like, rel_err, tolerance
+from helpers import make_paged_batch, nan_like
 
 pytestmark = pytest.mark.gpu
 
@@ -95,24 +94,3 @@ def test_prefill_run_allocates_nothing_and_never_waits(case):
         assert _run_twice(lambda: w.run(*args, out=out, lse=lse, return_lse=True)) == expected
     assert not out.isnan().any()
 
-
-def test_cudnn_route_with_a_device_k_scale_never_waits():
-    """The cuDNN route takes the logits' scale as a host float: a k_scale on the device would be read back (a wait
-    for the GPU), so such a call runs our kernel on the plan's schedule instead; the route stays cuDNN's."""
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(600, HQ, D, generator=gen).to("cuda", BF16)
-    k, v = (torch.randn(600, HKV, D, generator=gen).to("cuda", BF16) for _ in range(2))
-    indptr = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
-    w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_workspace())
-    try:
-        with routing.forced(prefill="cudnn"):
-            w.plan(indptr, indptr, HQ, HKV, D, causal=True, q_data_type=BF16)
-    except NotImplementedError as exc:
-        pytest.skip(f"the cuDNN route is not capable here: {exc}")
-    assert w.backend == "cudnn"
-    ks, vs = torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda")
-    out = nan_like(q.shape, BF16, "cuda")
-    assert _run_twice(lambda: w.run(q, k, v, out=out, k_scale=ks, v_scale=vs)) == 0
-    ref, _ = reference.batch_ragged(q, k, v, indptr, indptr, causal=True, k_scale=0.5, v_scale=2.0)
-    assert rel_err(out, ref) < tolerance(BF16)
-    assert w.backend == "cudnn"
