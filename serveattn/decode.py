@@ -26,7 +26,7 @@ from .kernels import decode as decode_kernel
 from .kernels.decode import ITEM_INTS
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, TileConfig, WorkspaceAccessors, check_capacity, planned_rows
 from .prefill import _single_prefill, even_splits, ragged_chunk, split_paged_cache, uneven_chunk
-from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras
+from .prefill import _Variants, _cache_views, _num_sms, _pair_views, _plain_run, _run_extras, positional_descales
 from .spec_tree import MAX_TREE_NODES, tree_ancestor_bits
 
 # Below this many programs (batch x KV heads) per SM pair the GPU is not full: split the KV.
@@ -564,9 +564,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         """enable_pdl (FlashInfer's launch hint) is accepted and not needed; window_left, if given, must be the
         plan's (as FlashInfer's kernels assert)."""
         entry = self._entry + ".run"
-        if args:
-            policy.unsupported(entry, "run() takes q, paged_kv_cache and the keywords k_scale, v_scale, scale_q, "
-                                      "scale_k, scale_v, out, lse, return_lse.")
+        if args:  # FlashInfer 0.7 takes an fp8 query's descales by position here
+            scale_q, scale_k, scale_v = positional_descales(entry, "q, paged_kv_cache", q, args, scale_q, scale_k,
+                                                            scale_v)
         if unsupported_kwargs or window_left is not None:
             plan = self._prefill._plan if self._prefill is not None else self._plan
             _run_extras(entry, plan, window_left, unsupported_kwargs)

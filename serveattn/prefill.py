@@ -1326,7 +1326,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         plan's (as FlashInfer's kernels assert); lse_base / lse_layout: _lse_as; q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
         if args:  # FlashInfer 0.7 takes fp8 descales by position here
-            _positional_run_args(entry, "q, paged_kv_cache")
+            scale_q, scale_k, scale_v = positional_descales(entry, "q, paged_kv_cache", q, args, scale_q, scale_k,
+                                                            scale_v)
         if q_scale is not None:
             k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
                                           scale_q is not None or scale_k is not None or scale_v is not None)
@@ -1416,7 +1417,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         q_scale: policy.fold_q_scale."""
         entry = self._entry + ".run"
         if args:
-            _positional_run_args(entry, "q, k, v")
+            scale_q, scale_k, scale_v = positional_descales(entry, "q, k, v", q, args, scale_q, scale_k, scale_v)
         if q_scale is not None:
             k_scale = policy.fold_q_scale(entry, q_scale, k_scale,
                                           scale_q is not None or scale_k is not None or scale_v is not None)
@@ -1492,9 +1493,15 @@ def _run_extras(entry: str, plan, window_left, kwargs: dict) -> None:
                              f"{plan.window_left}; pass it to plan().")
 
 
-def _positional_run_args(entry: str, tensors: str) -> None:
-    policy.unsupported(entry, f"run() takes {tensors} by position and the rest by keyword (FlashInfer 0.7's "
-                              f"positional fp8 descales included: pass scale_q=, scale_k=, scale_v=).")
+def positional_descales(entry: str, tensors: str, q, args: tuple, scale_q, scale_k, scale_v):
+    """FlashInfer 0.7's run(..., scale_q, scale_k, scale_v) by position, which it reads for an fp8 query only:
+    (scale_q, scale_k, scale_v). Anything else after the tensors by position (its JIT variants' extras) is
+    refused with a sentence, as are descales given both ways."""
+    if q.dtype in policy.FP8_DTYPES and len(args) == 3 and scale_q is None and scale_k is None and scale_v is None:
+        return args
+    policy.unsupported(entry, f"run() takes {tensors} by position, then FlashInfer 0.7's three fp8 descales (scale_q, "
+                              f"scale_k, scale_v) for an fp8 query, and the rest by keyword; got {len(args)} more "
+                              f"by position.")
 
 
 def _refuse_extra(entry: str, kwargs: dict, positional_rest: tuple = ()) -> None:
@@ -1567,6 +1574,7 @@ def single_prefill_with_kv_cache(q, k, v, *positional_rest, custom_mask=None, pa
 
 
 def single_prefill_with_kv_cache_return_lse(q, k, v, *positional_rest, **kwargs):
-    """single_prefill_with_kv_cache with return_lse=True: returns (out, lse), lse in base 2."""
-    kwargs["return_lse"] = True
+    """single_prefill_with_kv_cache with return_lse=True (FlashInfer's partial: a return_lse given wins): returns
+    (out, lse), lse in base 2."""
+    kwargs.setdefault("return_lse", True)
     return single_prefill_with_kv_cache(q, k, v, *positional_rest, **kwargs)

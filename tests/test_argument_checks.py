@@ -256,10 +256,13 @@ def test_single_prefill_refusals_name_the_function(device):
 
 
 def test_positional_descales_and_the_return_lse_spelling(device):
-    """FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v): a sentence, not Python's TypeError."""
+    """FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v) is read for an fp8 query only (tests/
+    test_fp8_attention.py serves it); with a 16-bit query, or other counts, a sentence, not Python's TypeError."""
     b = _batch(device)
     ones = torch.ones(1, device=device)
-    with pytest.raises(NotImplementedError, match="pass scale_q=, scale_k=, scale_v="):
+    with pytest.raises(NotImplementedError, match=r"run\(\) takes q, paged_kv_cache by position, then FlashInfer "
+                                                  r"0.7's three fp8 descales \(scale_q, scale_k, scale_v\) for an fp8 "
+                                                  r"query, and the rest by keyword; got 3 more by position\.$"):
         _paged(device, b).run(b.q, b.cache, ones, ones, ones)
     r = serveattn.BatchPrefillWithRaggedKVCacheWrapper(_ws(device), backend="triton")
     r.plan(torch.tensor([0, 5], dtype=I32), torch.tensor([0, 7], dtype=I32), 4, 2, 64, q_data_type=F16)

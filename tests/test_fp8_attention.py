@@ -138,7 +138,13 @@ def test_paged_fp8_attention_and_o_data_type(backend, device):
            q_data_type=enc, kv_data_type=enc, o_data_type=torch.float16)
     out = w.run(q8.to(device), cache8, scale_q=sq.to(device), scale_k=sk.to(device), scale_v=sv.to(device))
     assert out.dtype == torch.float16
-    # "one element" in any shape, as k_scale takes it: 0-d and [1, 1] give [1]'s bits
+    # FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v) by position: the same call
+    assert torch.equal(w.run(q8.to(device), cache8, sq.to(device), sk.to(device), sv.to(device)), out)
+    with pytest.raises(NotImplementedError, match="got 2 more by position"):
+        w.run(q8.to(device), cache8, sq.to(device), sk.to(device))
+    with pytest.raises(NotImplementedError, match="got 3 more by position"):  # and by keyword too
+        w.run(q8.to(device), cache8, sq.to(device), sk.to(device), sv.to(device), scale_q=sq.to(device))
+        # "one element" in any shape, as k_scale takes it: 0-d and [1, 1] give [1]'s bits
     for shaped in (lambda t: t.reshape(()), lambda t: t.reshape(1, 1)):
         again = w.run(q8.to(device), cache8, scale_q=shaped(sq).to(device) if sq.numel() == 1 else sq.to(device),
                       scale_k=shaped(sk).to(device), scale_v=shaped(sv).to(device))
@@ -307,3 +313,31 @@ def test_missing_descales_are_ones_made_once(device):
     out, _ = _single(*args, None, sk.to(device), sv.to(device))
     ones, _ = _single(*args, torch.ones(1, device=device), sk.to(device), sv.to(device))
     assert torch.equal(out, ones)
+
+
+@pytest.mark.parametrize("wrapper", ["decode", "ragged"])
+def test_positional_descales_on_the_other_wrappers(wrapper, device):
+    """FlashInfer 0.7's run(q, ..., scale_q, scale_k, scale_v) by position on the decode wrapper's tensor-core route
+    and the ragged wrapper: the keyword call's bits."""
+    gen = torch.Generator().manual_seed(61)
+    enc = torch.float8_e4m3fn
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    if wrapper == "decode":
+        b = make_paged_batch(gen, qo_lens=[1, 1], kv_lens=[40, 9], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                             page_size=16, dtype=torch.float32, device=device)
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=True, backend="triton")
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=enc, kv_data_type=enc)
+        kv = ((b.cache / 4).to(enc),)
+        q = b.q
+    else:
+        q = torch.randn(12, 8, 64, generator=gen)
+        kv = tuple((torch.randn(30, 2, 64, generator=gen) / 4).to(enc).to(device) for _ in range(2))
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="triton")
+        indptr = torch.tensor([0, 12], dtype=torch.int32, device=device)
+        w.plan(indptr, torch.tensor([0, 30], dtype=torch.int32, device=device), 8, 2, 64, causal=True,
+               q_data_type=enc, kv_data_type=enc)
+    q8, sq = _quantize(q.cpu(), enc, True)
+    q8, sq = q8.to(device), sq.to(device)
+    sk, sv = torch.tensor([4.0], device=device), torch.tensor([0.5], device=device)
+    want = w.run(q8, *kv, scale_q=sq, scale_k=sk, scale_v=sv)
+    assert torch.equal(w.run(q8, *kv, sq, sk, sv), want)

@@ -149,7 +149,8 @@ RUN_REFUSALS = [
     ("paged-cache-strided", "paged", "cache_strided", ValueError,
      r"k must have a contiguous last dimension\."),
     ("decode-positional", "decode", "positional", NotImplementedError,
-     r"run\(\) takes q, paged_kv_cache and the keywords k_scale, v_scale, scale_q, "),
+     r"run\(\) takes q, paged_kv_cache by position, then FlashInfer 0.7's three fp8 descales \(scale_q, scale_k, "
+     r"scale_v\) for an fp8 query, and the rest by keyword; got 1 more by position\.$"),
     ("decode-cache-meta", "decode", "cache_meta", ValueError, r"k cache is on meta; expected "),
     ("decode-cache-strided", "decode", "cache_strided", ValueError,
      r"k must have a contiguous last dimension\."),
