@@ -329,6 +329,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
     def use_tensor_cores(self) -> bool:
         return self._use_tensor_cores
 
+    @property
+    def resolved_backend(self) -> str:
+        """FlashInfer's name for what the last plan() resolved the backend to: here `backend` ("triton", "torch"),
+        or the backend asked for before the first plan()."""
+        return self.backend if self.backend is not None else self._backend_request
+
     def _drop_plans(self) -> None:
         """reset_workspace_buffer: the plans, partial-state views and counts made in the old workspace go."""
         self._plan = self._prefill = self._partials_memo = self._done_count = None
@@ -338,7 +344,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
              kv_data_type=None, *positional_rest, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
-             q_len_per_req=1, tree_parents=None, seq_lens=None, **unsupported_kwargs):
+             q_len_per_req=1, tree_parents=None, seq_lens=None, is_causal=None, **unsupported_kwargs):
         """FlashInfer's decode plan, plus speculative verify: q_len_per_req=k (chain: k rows per request, the
         last k KV positions, bottom-right causal among themselves) or tree_parents (one parent array per
         request, -1 for a child of the prefix, at most 64 nodes; request i's rows are its tree's nodes in
@@ -346,7 +352,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         itself). Trees run on the tensor-core route; a chain runs on the bandwidth kernel (its split-KV included) when
         k x (query heads per KV head) <= 32 rows and the route is that kernel (use_tensor_cores=False, or auto's
         choice over the hint). seq_lens (FlashInfer's, for its trtllm-gen backend): the page table decides, and a
-        seq_lens given must agree with it (policy.check_seq_lens)."""
+        seq_lens given must agree with it (policy.check_seq_lens). is_causal (FlashInfer's): the mask follows
+        q_len_per_req, so a given one must say what it does (causal exactly when q_len_per_req > 1), as
+        FlashInfer's plan requires."""
         entry = self._entry + ".plan"
         if positional_rest:  # FlashInfer's releases order these differently (0.7 put o_data_type before data_type)
             policy.unsupported(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by "
@@ -357,6 +365,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         if not policy.is_int(q_len_per_req) or q_len_per_req < 1:
             policy.refuse(entry, f"q_len_per_req={q_len_per_req!r} must be a positive int.")
         policy.check_seq_lens(entry, seq_lens, indptr, indices, last_page_len, page_size, policy.DECODE_TABLE_NAMES)
+        if is_causal is not None and (tree_parents is not None or bool(is_causal) != (q_len_per_req > 1)):
+            policy.unsupported(entry, f"is_causal={is_causal!r} is not served: the decode mask follows q_len_per_req "
+                                      f"(causal among a request's rows exactly when q_len_per_req > 1) or "
+                                      f"tree_parents; pass is_causal=None.")
         tree = None
         if tree_parents is not None:
             if q_len_per_req != 1:

@@ -255,6 +255,28 @@ def test_single_prefill_refusals_name_the_function(device):
         serveattn.single_prefill_with_kv_cache(q, kv, kv, scale_q=torch.ones(1, device=device), backend="triton")
 
 
+def test_decode_is_causal_must_say_what_the_mask_does(device):
+    """FlashInfer's decode plan(is_causal=...) must equal q_len_per_req > 1 (its mask follows q_len_per_req):
+    served as if absent where it does, refused with a sentence (NotImplementedError, as FlashInfer) where not or
+    beside a tree; resolved_backend names the route (the backend asked for before the first plan)."""
+    b = _batch(device, qo_lens=(3, 3, 3))
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), backend="triton")
+    assert w.resolved_backend == "triton"
+    table = (b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16)
+    for q_len, is_causal in ((1, False), (3, True), (1, 0)):
+        w.plan(*table, q_data_type=F16, q_len_per_req=q_len, is_causal=is_causal)
+        q = b.q if q_len == 3 else _decode_q(b, device)
+        want = _decode(device, b).run(q, b.cache) if q_len == 1 else None
+        got = w.run(q, b.cache)
+        assert want is None or torch.equal(got, want)
+    assert w.resolved_backend == w.backend == "triton"
+    for q_len, is_causal, tree in ((1, True, None), (3, False, None), (1, False, [[-1, 0]] * 3)):
+        with pytest.raises(NotImplementedError, match=rf"is_causal={is_causal} is not served: the decode mask follows "
+                                                      rf"q_len_per_req .* pass is_causal=None\.$"):
+            w.plan(*table, q_data_type=F16, q_len_per_req=q_len, is_causal=is_causal, tree_parents=tree)
+    assert serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device)).resolved_backend == "auto"
+
+
 def test_positional_descales_and_the_return_lse_spelling(device):
     """FlashInfer 0.7's run(q, cache, scale_q, scale_k, scale_v) is read for an fp8 query only (tests/
     test_fp8_attention.py serves it); with a 16-bit query, or other counts, a sentence, not Python's TypeError."""
