@@ -487,8 +487,9 @@ def check_descales(entry: str, scale_q=None, scale_k=None, scale_v=None, k_scale
                    q_dtype: Optional[torch.dtype] = None, device=None, num_qo_heads: int = 0,
                    num_kv_heads: int = 0):
     """fp8-attention descales: float32 tensors on q's device of one element (of any shape, as k_scale) or one per
-    head ([Hq], [Hkv], [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a 16-bit query. Their
-    values must be positive and finite (quantization scales); like tensor k_scale/v_scale they are not read here.
+    head ([Hq], [Hkv], [Hkv]). Refused together with k_scale/v_scale (K and V would be scaled twice) and for a
+    16-bit query. Their values must be positive and finite (quantization scales); like tensor k_scale/v_scale they
+    are not read here.
     Returns (scale_q, scale_k, scale_v) for an fp8 query (None entries become ones), else None."""
     given = [n for n, s in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)) if s is not None]
     if given and (k_scale is not None or v_scale is not None):

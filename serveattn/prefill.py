@@ -1497,8 +1497,10 @@ def positional_descales(entry: str, tensors: str, q, args: tuple, scale_q, scale
     """FlashInfer 0.7's run(..., scale_q, scale_k, scale_v) by position, which it reads for an fp8 query only:
     (scale_q, scale_k, scale_v). Anything else after the tensors by position (its JIT variants' extras) is
     refused with a sentence, as are descales given both ways."""
-    if q.dtype in policy.FP8_DTYPES and len(args) == 3 and scale_q is None and scale_k is None and scale_v is None:
-        return args
+    if q.dtype in policy.FP8_DTYPES and len(args) == 3:
+        if scale_q is None and scale_k is None and scale_v is None:
+            return args
+        policy.refuse(entry, "the fp8 descales were given by position and by keyword; pass them one way.")
     policy.unsupported(entry, f"run() takes {tensors} by position, then FlashInfer 0.7's three fp8 descales (scale_q, "
                               f"scale_k, scale_v) for an fp8 query, and the rest by keyword; got {len(args)} more "
                               f"by position.")

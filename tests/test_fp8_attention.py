@@ -142,7 +142,8 @@ def test_paged_fp8_attention_and_o_data_type(backend, device):
     assert torch.equal(w.run(q8.to(device), cache8, sq.to(device), sk.to(device), sv.to(device)), out)
     with pytest.raises(NotImplementedError, match="got 2 more by position"):
         w.run(q8.to(device), cache8, sq.to(device), sk.to(device))
-    with pytest.raises(NotImplementedError, match="got 3 more by position"):  # and by keyword too
+    with pytest.raises(ValueError, match=r"run: the fp8 descales were given by position and by keyword; pass them "
+                                         r"one way\.$"):
         w.run(q8.to(device), cache8, sq.to(device), sk.to(device), sv.to(device), scale_q=sq.to(device))
         # "one element" in any shape, as k_scale takes it: 0-d and [1, 1] give [1]'s bits
     for shaped in (lambda t: t.reshape(()), lambda t: t.reshape(1, 1)):
