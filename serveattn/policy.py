@@ -18,6 +18,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 KV_LAYOUTS = ("NHD", "HND")
 POS_ENCODINGS = ("NONE", "ROPE_LLAMA")
 BACKENDS = ("auto", "triton", "torch", "fa2", "fa3")
+# FlashInfer 0.7's other backend names (its wrappers' backend= values): refused as valid requests not served
+FLASHINFER_ONLY_BACKENDS = ("cudnn", "trtllm-gen", "cute-dsl", "cute-dsl-prims", "cutlass", "cutile", "xqa",
+                            "fmha_v2", "cake", "prims-ts")
 
 _DTYPE_NAMES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -252,8 +255,15 @@ def check_graph_backend(entry: str, backend: str, use_cuda_graph: bool, device) 
 
 
 def check_backend(entry: str, backend: str) -> None:
-    if backend not in BACKENDS:
-        refuse(entry, f"backend={backend!r} is not a backend; supported: {', '.join(map(repr, BACKENDS))}.")
+    """A name FlashInfer serves and this library does not is a valid request not served (NotImplementedError);
+    any other name is a wrong argument (ValueError)."""
+    if backend in BACKENDS:
+        return
+    supported = ", ".join(map(repr, BACKENDS))
+    if backend in FLASHINFER_ONLY_BACKENDS:
+        hint = " ('auto' takes torch's cuDNN attention where it was measured faster)" if backend == "cudnn" else ""
+        unsupported(entry, f"backend={backend!r} is FlashInfer's and not served here; supported: {supported}{hint}.")
+    refuse(entry, f"backend={backend!r} is not a backend; supported: {supported}.")
 
 
 def decode_dtypes(entry: str, q_data_type, kv_data_type, o_data_type, fp8_query_refusal: str):

@@ -383,7 +383,7 @@ def test_merge_in_place_with_itself_and_masked_rows_keep_their_bits(backend, dev
 
 def test_merge_refuses_unknown_backend(device):
     v, s = _state_args(device)
-    with pytest.raises(ValueError, match="backend='cudnn' is not a backend"):
+    with pytest.raises(NotImplementedError, match="backend='cudnn' is FlashInfer's and not served here"):
         cascade.merge_state(v, s, v, s, backend="cudnn")
 
 

@@ -243,7 +243,7 @@ def test_constructor_and_run_refusals(solo_group, monkeypatch):
     ws = torch.empty(1 << 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="kv_layout='NCHW' is not a layout"):
         ContextParallelDecode(solo_group, ws, "NCHW")
-    with pytest.raises(ValueError, match="backend='cudnn' is not a backend"):
+    with pytest.raises(NotImplementedError, match="backend='cudnn' is FlashInfer's and not served here"):
         ContextParallelDecode(solo_group, ws, backend="cudnn")
     with pytest.raises(NotImplementedError, match="use_cuda_graph=True is not served"):
         ContextParallelDecode(solo_group, ws, use_cuda_graph=True)

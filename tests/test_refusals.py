@@ -153,8 +153,10 @@ def test_constructor_refusals(device):
     ws = torch.empty(16, dtype=torch.uint8, device=device)
     with pytest.raises(ValueError, match="kv_layout='NDH' is not a layout"):
         serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NDH")
-    with pytest.raises(ValueError, match="backend='cudnn' is not a backend"):
+    with pytest.raises(NotImplementedError, match="backend='cudnn' is FlashInfer's and not served here"):
         serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="cudnn")
+    with pytest.raises(ValueError, match="backend='cudnn2' is not a backend"):
+        serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="cudnn2")
 
 
 def test_single_prefill_refusals(device):

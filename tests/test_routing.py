@@ -288,17 +288,24 @@ def test_forced_route_refuses_when_incapable(device):
 
 # ---------------------------------------------------------------- names
 
-@pytest.mark.parametrize("name", ["cudnn", "flashinfer", "FA2", "", "cuda", None])
+@pytest.mark.parametrize("name", ["cudnn", "trtllm-gen", "flashinfer", "FA2", "", "cuda", None])
 def test_unknown_backend_names_are_refused(name, device):
+    """FlashInfer's other backends are valid requests not served (NotImplementedError); other names are wrong
+    arguments (ValueError)."""
     ws = torch.empty(1 << 16, dtype=torch.uint8, device=device)
+    exc, what = (NotImplementedError, "is FlashInfer's and not served here") if name in ("cudnn", "trtllm-gen") else \
+        (ValueError, "is not a backend")
     for cls in (serveattn.BatchPrefillWithRaggedKVCacheWrapper, serveattn.BatchPrefillWithPagedKVCacheWrapper,
                 serveattn.BatchDecodeWithPagedKVCacheWrapper):
-        with pytest.raises(ValueError, match="is not a backend; supported: 'auto', 'triton', 'torch', 'fa2', 'fa3'"):
+        with pytest.raises(exc, match=f"{what}; supported: 'auto', 'triton', 'torch', 'fa2', 'fa3'"):
             cls(ws, backend=name)
-    with pytest.raises(ValueError, match="is not a backend"):
+    with pytest.raises(exc, match=what):
         routing.choose_prefill("t", name, PF, device)
-    with pytest.raises(ValueError, match="is not a backend"):
+    with pytest.raises(exc, match=what):
         routing.choose_decode("t", name, DEC, device)
+    if name == "cudnn":
+        with pytest.raises(exc, match=r"\('auto' takes torch's cuDNN attention where it was measured faster\)\.$"):
+            serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend=name)
 
 
 def test_aliases_are_logged_once_and_run_triton(device, caplog):
