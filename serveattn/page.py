@@ -248,6 +248,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     """
     entry = "get_batch_indices_positions"
     policy.check_index(entry, "append_indptr", append_indptr, min_len=1)
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.dtype == torch.int64:
+        seq_lens = seq_lens.int()  # lengths, not an index: int64 taken (FlashInfer's own example passes them)
     policy.check_index(entry, "seq_lens", seq_lens)
     batch = append_indptr.numel() - 1
     if seq_lens.numel() != batch:

@@ -39,6 +39,9 @@ def _check_dense(entry: str, name: str, t: torch.Tensor) -> None:
                                   f"are served.")
 
 
+_PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _check_probs(entry: str, name: str, t, dims: int = 3) -> None:
     if not isinstance(t, torch.Tensor):
         policy.refuse(entry, f"{name} must be a float32 torch.Tensor, got {type(t).__name__}.")
@@ -46,10 +49,11 @@ def _check_probs(entry: str, name: str, t, dims: int = 3) -> None:
     if t.dim() != dims:
         policy.refuse(entry, f"{name} has shape {tuple(t.shape)}; expected a {dims}-D tensor "
                              f"[batch_size, num_tokens, vocab_size].")
-    if t.dtype != torch.float32:
+    if t.dtype not in _PROB_DTYPES:  # the 16-bit and float64 ones are read as float32, as FlashInfer's .float()
         if t.dtype.is_floating_point:
-            policy.unsupported(entry, f"{name} has dtype {t.dtype}; probabilities are served in float32 only.")
-        policy.refuse(entry, f"{name} has dtype {t.dtype}; probabilities must be float32.")
+            policy.unsupported(entry, f"{name} has dtype {t.dtype}; probabilities are served in float32, float16, "
+                                      f"bfloat16 or float64 (read as float32).")
+        policy.refuse(entry, f"{name} has dtype {t.dtype}; probabilities must be floating point.")
 
 
 def _check_ids(entry: str, name: str, t, shape, vocab: int, device) -> None:
@@ -207,7 +211,8 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     """Speculative sampling of a chain of draft tokens per request (FlashInfer's semantics).
 
     draft_probs float32 [B, n, V]: the draft distribution token i was drawn from; draft_token_ids int32 or
-    int64 [B, n]; target_probs float32 [B, n + 1, V] (row n is the target after the last draft token).
+    int64 [B, n]; target_probs float32 [B, n + 1, V] (row n is the target after the last draft token); float16,
+    bfloat16 and float64 probabilities are read as float32 (FlashInfer's cast).
 
     For i = 0..n-1, draft token t_i is accepted when u_i * q_i(t_i) < p_i(t_i) (probability
     min(1, p/q)); at the first rejection the next token is sampled from normalize(max(0, p_i - q_i)) (from
@@ -225,6 +230,7 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     _old_signature(entry, target_probs, maybe_output_accepted_token_num, unsupported_kwargs)
     B, n, V, device = _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs,
                                               "one more position than draft_probs")
+    draft_probs, target_probs = draft_probs.float(), target_probs.float()  # FlashInfer's cast (float32: no copy)
     _check_counter(entry, "maybe_output_accepted_token_num", maybe_output_accepted_token_num, B, device)
     _check_counter(entry, "maybe_output_emitted_draft_token_num", maybe_output_emitted_draft_token_num, B, device)
     _check_flag(entry, "deterministic", deterministic)
@@ -328,6 +334,7 @@ def tree_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.
     entry = "tree_speculative_sampling"
     B, T, V, device = _check_draft_and_target(entry, draft_probs, draft_token_ids, target_probs,
                                               "the root's row, then one row per draft node")
+    draft_probs, target_probs = draft_probs.float(), target_probs.float()
     if not isinstance(tree_parents, torch.Tensor) or tree_parents.dtype not in _ID_DTYPES:
         desc = tree_parents.dtype if isinstance(tree_parents, torch.Tensor) else type(tree_parents).__name__
         policy.refuse(entry, f"tree_parents has type {desc}; expected an int32 or int64 tensor of shape {(B, T)}.")

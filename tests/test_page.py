@@ -327,6 +327,9 @@ def test_get_batch_indices_positions_by_hand(device):
     assert batch_indices.dtype == I32 and positions.dtype == I32
     assert batch_indices.tolist() == [0, 1, 1, 3, 3, 3, 4, 4, 4, 4]
     assert positions.tolist() == [4, 3, 4, 0, 1, 2, 0, 1, 2, 3]
+    # seq_lens are lengths, not an index: int64 ones (FlashInfer's own example passes them) give the same answer
+    wide = page.get_batch_indices_positions(append_indptr, seq_lens.long(), 10)
+    assert torch.equal(wide[0], batch_indices) and torch.equal(wide[1], positions)
     out_b, out_p = torch.full((10,), -1, dtype=I32, device=device), torch.full((10,), -1, dtype=I32, device=device)
     got = page.get_batch_indices_positions(append_indptr, seq_lens, 10, out_b, out_p)
     assert got[0] is out_b and got[1] is out_p and out_p.tolist() == positions.tolist()

@@ -318,6 +318,21 @@ def test_seed_and_offset_pairs_name_streams_of_their_own():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_probabilities_are_read_as_float32(dtype):
+    """FlashInfer casts 16-bit and float64 probabilities with .float(): the same draws give the float32 call's
+    tokens and counts, on the chain and the tree."""
+    d, ids, t = _random_case(6, 3, 16, seed=4)
+    d, t = d.to(dtype), t.to(dtype)
+    got = chain_speculative_sampling(d, ids, t, seed=7)
+    want = chain_speculative_sampling(d.float(), ids, t.float(), seed=7)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    parents = torch.tensor([[-1, 0, 1]] * 6, dtype=torch.int32)
+    got = tree_speculative_sampling(d, ids, t, parents, seed=7)
+    want = tree_speculative_sampling(d.float(), ids, t.float(), parents, seed=7)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_counts_are_added_in_place():
     d, ids, t = _random_case(20, 3, 16, seed=2)
     out, acc, emi = chain_speculative_sampling(d, ids, t, seed=5)
@@ -336,8 +351,10 @@ def _chain_args():
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (lambda a: a.update(draft_probs=a["draft_probs"].half()), NotImplementedError, "draft_probs has dtype"),
-    (lambda a: a.update(target_probs=a["target_probs"].to(torch.int32)), ValueError, "target_probs has dtype"),
+    (lambda a: a.update(draft_probs=a["draft_probs"].to(torch.float8_e4m3fn)), NotImplementedError,
+     r"draft_probs has dtype torch.float8_e4m3fn; probabilities are served in float32, float16, bfloat16 or float64"),
+    (lambda a: a.update(target_probs=a["target_probs"].to(torch.int32)), ValueError,
+     "target_probs has dtype torch.int32; probabilities must be floating point"),
     (lambda a: a.update(draft_probs=a["draft_probs"][0]), ValueError, "draft_probs has shape"),
     (lambda a: a.update(target_probs=a["target_probs"][:, :2]), ValueError, r"target_probs has shape .* expected"),
     (lambda a: a.update(draft_token_ids=a["draft_token_ids"].float()), ValueError, "int32 or int64"),
@@ -389,8 +406,8 @@ def test_tree_refusals():
         tree_speculative_sampling(d, ids, t, good.float())
     with pytest.raises(ValueError, match="target_probs has shape"):
         tree_speculative_sampling(d, ids, t[:, :3], good)
-    with pytest.raises(NotImplementedError, match="float32"):
-        tree_speculative_sampling(d.double(), ids, t, good)
+    with pytest.raises(NotImplementedError, match="served in float32, float16, bfloat16 or float64"):
+        tree_speculative_sampling(d.to(torch.float8_e5m2), ids, t, good)
     with pytest.raises(NotImplementedError, match="tree_parents is a sparse_coo tensor"):
         tree_speculative_sampling(d, ids, t, good.to_sparse())
     with pytest.raises(ValueError, match=r"^tree_speculative_sampling: seed=-7 is negative"):
