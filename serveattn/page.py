@@ -242,7 +242,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     Request b appends tokens append_indptr[b]..append_indptr[b+1]-1 as the last ones of its sequence of
     seq_lens[b] tokens (the length *after* the append), so token t sits at seq_lens[b] - append_indptr[b+1] + t.
     Tokens from append_indptr[-1] on (nnz padded, e.g. to a CUDA graph's size) get request -1 and position 0, as
-    FlashInfer 0.7's does, and append_paged_kv_cache skips them (FlashInfer's append does not: ours is the safe
+    FlashInfer 0.7's does into new results (into a given `positions` it leaves those entries as they were; here
+    they are 0 either way), and append_paged_kv_cache skips them (FlashInfer's append does not: ours is the safe
     side of its undefined case). Both results are int32 `[nnz]`, written into `batch_indices` /
     `positions` when given.
     """
