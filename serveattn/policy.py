@@ -135,6 +135,15 @@ def check_o_dtype(entry: str, o_dtype: torch.dtype) -> None:
                            f"{_names(HALF_DTYPES)}.")
 
 
+def slot_axis(t, kv_layout: str, dims: int):
+    """FlashInfer's caches of page_size 1 may leave out the slot axis ([pages, (2,) Hkv, D], SGLang's token pools):
+    a tensor of dims - 1 dimensions gets that axis of 1 back, where the layout puts it (FlashInfer's
+    _expand_4d / _expand_5d); anything else as it is."""
+    if isinstance(t, torch.Tensor) and t.dim() == dims - 1:
+        return t.unsqueeze(-3 if kv_layout == "NHD" else -2)
+    return t
+
+
 def check_kv_pair(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:
     """K and V: two tensors of one dtype (their shapes are checked against the plan, or each other, after)."""
     for name, t in (("k", k), ("v", v)):

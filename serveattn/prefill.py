@@ -757,12 +757,15 @@ def _check_mask(entry, custom_mask, packed_custom_mask, qo_lens, kv_lens) -> tor
 
 
 def split_paged_cache(entry: str, cache, kv_layout: str):
-    """(k, v) 4-D views of a 5-D cache or a (k_cache, v_cache) tuple."""
+    """(k, v) 4-D views of a 5-D cache or a (k_cache, v_cache) tuple (of page size 1: 4-D, or 3-D tensors,
+    policy.slot_axis)."""
     if isinstance(cache, (tuple, list)):
         if len(cache) != 2:
             policy.refuse(entry, f"paged_kv_cache tuple has {len(cache)} tensors; expected (k_cache, v_cache).")
-        k, v = cache
+        k, v = (policy.slot_axis(t, kv_layout, 4) for t in cache)
     else:
+        cache = policy.slot_axis(cache, kv_layout, 5) if isinstance(cache, torch.Tensor) and cache.dim() == 4 and \
+            cache.shape[1] == 2 else cache
         if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
             shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "

@@ -105,3 +105,63 @@ def test_vllm_prefill_and_decode(mode, device):
     check_lse(dec.run_return_lse(b.q[:2], b.cache)[1],
               reference.batch_paged(b.q[:2], b.cache, torch.arange(3, **i32).cpu(), b.kv_indptr[:3].cpu(),
                                     b.kv_indices.cpu(), b.last_page_len[:2].cpu(), sm_scale=0.125)[1])
+
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_page_size_one_caches_without_the_slot_axis(layout, backend, device):
+    """SGLang's token pools: page size 1, K and V as [tokens, Hkv, D] each (or one [tokens, 2, Hkv, D] tensor), the
+    slot axis left out, which FlashInfer takes (its _expand_4d / _expand_5d; the same shape in either layout).
+    Decode on both routes, paged prefill, cascade and append give the bits of the same cache with its slot axis;
+    another page size is still refused."""
+    gen = torch.Generator().manual_seed(71)
+    tokens = 64
+    k, v = (torch.randn(tokens, HKV, D, generator=gen).to(BF16).to(device) for _ in range(2))
+    axis = 1 if layout == "NHD" else 2  # where the slot axis of 1 sits in [pages, ., ., D]
+    forms = {"slot axis": (k.unsqueeze(axis), v.unsqueeze(axis)), "3-D pair": (k, v),
+             "4-D single": torch.stack([k, v], 1)}
+    i32 = dict(dtype=torch.int32, device=device)
+    indices = torch.randperm(tokens, generator=gen)[:40].to(**i32)
+    indptr, last = torch.tensor([0, 9, 39, 40], **i32), torch.ones(3, **i32)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    q1 = torch.randn(3, HQ, D, generator=gen).to(BF16).to(device)
+    qo = torch.tensor([0, 2, 7, 8], **i32)
+    q = torch.randn(8, HQ, D, generator=gen).to(BF16).to(device)
+
+    def outputs(cache):
+        got = []
+        for tc in (False, True):
+            w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=tc, backend=backend)
+            w.plan(indptr, indices, last, HQ, HKV, D, 1, q_data_type=BF16)
+            got.append(w.run(q1, cache))
+        p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, layout, backend=backend)
+        p.plan(qo, indptr, indices, last, HQ, HKV, D, 1, causal=True, q_data_type=BF16)
+        got.append(p.run(q, cache))
+        # level 0: request 0's first token, shared by every row; level 1: the rest of each request's tokens
+        c = serveattn.MultiLevelCascadeAttentionWrapper(2, ws, layout, backend=backend)
+        c.plan([torch.tensor([0, 8], **i32), qo], [torch.tensor([0, 1], **i32), torch.tensor([0, 8, 38, 39], **i32)],
+               [indices[:1], indices[1:]], [torch.ones(1, **i32), last], HQ, HKV, D, 1, causal=True,
+               q_data_type=BF16)
+        got.append(c.run(q, cache))
+        return got
+
+    want = outputs(forms["slot axis"])
+    for name in ("3-D pair", "4-D single"):
+        assert all(torch.equal(g, r) for g, r in zip(outputs(forms[name]), want)), name
+    # append three tokens to request 1 (its positions 27..29): the same slots written in every form
+    new_k, new_v = (torch.randn(3, HKV, D, generator=gen).to(BF16).to(device) for _ in range(2))
+    written = []
+    for name, form in forms.items():
+        cache = tuple(t.clone() for t in form) if isinstance(form, tuple) else form.clone()
+        serveattn.append_paged_kv_cache(new_k, new_v, torch.ones(3, **i32), torch.tensor([27, 28, 29], **i32), cache,
+                                        indices, indptr, last, layout)
+        pair = cache if isinstance(cache, tuple) else cache.unbind(1)
+        written.append(tuple(t.reshape(tokens, HKV, D) for t in pair))
+    for other in written[1:]:
+        assert torch.equal(other[0], written[0][0]) and torch.equal(other[1], written[0][1])
+    assert not torch.equal(written[0][0], k)
+    w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, layout, backend=backend)
+    w.plan(torch.tensor([0, 1], **i32), indices[:1], torch.ones(1, **i32), HQ, HKV, D, 16, q_data_type=BF16)
+    with pytest.raises(ValueError, match="k cache has shape"):
+        w.run(q1[:1], forms["3-D pair"])
