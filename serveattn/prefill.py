@@ -811,6 +811,8 @@ def _pair_views(cache, kv_layout: str):
     if k.__class__ is not torch.Tensor or v.__class__ is not torch.Tensor or k.layout != torch.strided or \
             v.layout != torch.strided:
         return None
+    if k.dim() == 3:  # page size 1 without the slot axis (SGLang's token pools): the axis of 1 put back
+        k, v = policy.slot_axis(k, kv_layout, 4), policy.slot_axis(v, kv_layout, 4)
     s, shape, dtype, device = k.stride(), k.shape, k.dtype, k.device
     if len(s) != 4 or v.stride() != s or v.shape != shape or v.dtype != dtype or v.device != device:
         return None
