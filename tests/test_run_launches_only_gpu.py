@@ -1,8 +1,9 @@
 """API.md: run() only launches kernels and allocates nothing when buffers are given (out, and lse where it is
 returned). A run() after a first one (which may build launch state on the host, never device memory) runs under
-torch's sync debug mode "error" (any wait for the GPU raises) and the CUDA caching allocator's allocation counter. The eager paths that do allocate (README, "What is
-served": the warp-specialized prefill kernel's ragged copy of a paged cache, an fp8 cache's widened or a 16-bit
-cache's where the copy pays; fp8 attention's transposed V; descales given in mixed forms) are counted as such."""
+torch's sync debug mode "error" (any wait for the GPU raises) and the CUDA caching allocator's allocation counter.
+The eager paths that do allocate (README: the warp-specialized prefill kernel's ragged copy of a paged cache, an
+fp8 cache's widened or a 16-bit cache's where the copy pays; fp8 attention's transposed V; descales given in mixed
+forms) are counted as such."""
 import pytest
 import torch
 
