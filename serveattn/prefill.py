@@ -764,8 +764,8 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
             policy.refuse(entry, f"paged_kv_cache tuple has {len(cache)} tensors; expected (k_cache, v_cache).")
         k, v = (policy.slot_axis(t, kv_layout, 4) for t in cache)
     else:
-        cache = policy.slot_axis(cache, kv_layout, 5) if isinstance(cache, torch.Tensor) and cache.dim() == 4 and \
-            cache.shape[1] == 2 else cache
+        if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[1] == 2:  # page size 1, no slot axis
+            cache = policy.slot_axis(cache, kv_layout, 5)
         if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
             shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
@@ -1172,19 +1172,20 @@ class _PrefillWrapper(WorkspaceAccessors):
                 policy.check_scales(self._entry + ".run", self._plan.device, self._plan.sm_scale, k_scale=k_scale,
                                     v_scale=v_scale)
         plan = self._plan
-        if plan.backend == "cudnn" and isinstance(k_scale, torch.Tensor) and k_scale.device.type != "cpu":
-            # cuDNN takes the logits' scale as a host float, and reading a device k_scale would wait for the GPU
-            # (run() only launches): this call runs our kernel, which reads it on the device (the plan keeps the
-            # schedule for it)
-            twin = plan.launch_memo.get("triton")
-            if twin is None:
-                twin = plan.launch_memo["triton"] = replace(plan, backend="triton")
-            plan = twin
-        elif plan.backend == "cudnn":
-            try:
-                return vendor.prefill(q, k, v, out, lse, return_lse, plan, self._kv_layout, k_scale, v_scale)
-            except RuntimeError as exc:  # cuDNN could not build or run this shape: our kernel, from now on
-                plan = self._cudnn_failed(plan, exc)
+        if plan.backend == "cudnn":
+            if isinstance(k_scale, torch.Tensor) and k_scale.device.type != "cpu":
+                # cuDNN takes the logits' scale as a host float, and reading a device k_scale would wait for the
+                # GPU (run() only launches): this call runs our kernel, which reads it on the device (the plan
+                # keeps the schedule for it)
+                twin = plan.launch_memo.get("triton")
+                if twin is None:
+                    twin = plan.launch_memo["triton"] = replace(plan, backend="triton")
+                plan = twin
+            else:
+                try:
+                    return vendor.prefill(q, k, v, out, lse, return_lse, plan, self._kv_layout, k_scale, v_scale)
+                except RuntimeError as exc:  # cuDNN could not build or run this shape: our kernel, from now on
+                    plan = self._cudnn_failed(plan, exc)
         if out is None:
             out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
         if lse is None and return_lse:
