@@ -421,7 +421,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                 fixed_split_size, disable_split_kv, kv_indptr=indptr, kv_start=ip[:-1],
                                 kv_indices=indices,
                                 last_page_len=last_page_len, max_page=max_page, q_len=q_len_per_req,
-                                batch_cap=self._graph_cap, workspace=self._workspace)
+                                batch_cap=self._graph_cap, workspace=None if self._sizing else self._workspace)
         self._install(entry, plan)
         self._prefill = None
         self._q_len_per_req = q_len_per_req
@@ -481,6 +481,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             wrapper._graph_max_qo = max_rows
             wrapper._graph_split_kv = True  # under CUDA graphs: few long requests split as eager plans do
             wrapper._kept = self._kept  # the previous inner wrapper's plan is dropped with it: its buffer is free
+            wrapper._sizing = self._sizing
         if not self._use_cuda_graph:  # the plan's bound on its rows (batch-invariant tiles); fixed under graphs
             wrapper._graph_max_qo = max_rows
         # make_plan trusts qo_rows (built here, valid by construction)
@@ -492,6 +493,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                             batch_invariant=batch_invariant,
                             # an explicit backend was resolved by choose_decode above (the same device and call)
                             resolved=self._backend_request != "auto")
+        self._sized_bytes = wrapper._sized_bytes
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req
@@ -501,6 +503,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
 
     def _install(self, entry: str, plan: DecodePlan) -> None:
         """Checks the workspace, then copies the plan's arrays to the device; raises before any write."""
+        if self._sizing:  # workspace_size: the bytes, nothing installed
+            self._sized_bytes = policy.split_state_bytes(plan.num_slots * plan.q_len, plan.num_qo_heads,
+                                                         plan.head_dim)
+            return
         key = (plan.num_qo_heads, plan.head_dim)
         # a chain's slot holds q_len partial rows per query head; the views depend only on the key and cost host
         # time (a torch call each), so they are made once per key and the slot count is checked on its own
@@ -771,7 +777,7 @@ def _check_partials_room(entry: str, workspace: torch.Tensor, num_slots: int, nu
     """Refuses a plan whose split-KV partial states do not fit the workspace; returns the workspace's usable bytes
     (policy.workspace_room)."""
     have = policy.workspace_room(workspace)
-    need = 4 * num_slots * num_qo_heads * (head_dim + 1)
+    need = policy.split_state_bytes(num_slots, num_qo_heads, head_dim)
     if need > have:
         if not have and workspace.numel():
             policy.refuse(entry, f"float_workspace_buffer cannot hold this plan's split-KV partial states ({need} "

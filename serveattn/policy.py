@@ -548,6 +548,11 @@ def workspace_room(workspace: torch.Tensor) -> int:
     return workspace.numel() * workspace.element_size()
 
 
+def split_state_bytes(rows: int, num_qo_heads: int, head_dim: int) -> int:
+    """The float workspace bytes of split-KV's partial states: an fp32 output [head_dim] and LSE per row and head."""
+    return 4 * rows * num_qo_heads * (head_dim + 1)
+
+
 WORKSPACE_ROOM_HINT = ("a float workspace must be contiguous and start on a 16-byte boundary (a buffer from "
                        "torch.empty, or a slice of one at a multiple of 16 bytes)")
 

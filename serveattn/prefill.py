@@ -7,6 +7,7 @@ state or caller buffer is touched.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import weakref
@@ -603,7 +604,8 @@ def make_plan(entry: str, *, paged: bool, qo_indptr, kv_indptr, kv_indices, last
         chunk = split_chunk(qo_lens, kv_lens, group, tiles, num_kv_heads, _num_sms(device), n, *split,
                             warp_specialized=lambda: warp_specialized(graph_tiles)) \
             if items else None
-        need = 4 * split_rows(qo_lens, kv_lens, chunk) * num_qo_heads * (head_dim + 1) if chunk is not None else 0
+        need = policy.split_state_bytes(split_rows(qo_lens, kv_lens, chunk), num_qo_heads, head_dim) \
+            if chunk is not None else 0
         if need > workspace_bytes and split[0] is not None:  # unsplit, the long requests' bits would follow the batch
             policy.refuse(entry, f"float_workspace_buffer holds {workspace_bytes} bytes for split-KV but "
                                  f"fixed_split_size's chunks of {split[0]} KV tokens need {need} bytes of partial "
@@ -686,6 +688,9 @@ def _order_fits(plan: "Plan", kv_lens) -> bool:
     kv_bytes = 2 * int(kv_lens.sum()) * plan.num_kv_heads * plan.head_dim * plan.kv_dtype.itemsize
     return kv_bytes * plan.group < ORDER_COST_MAX_BYTES
 
+
+# workspace_size's room for split-KV: more than any plan's partial states
+SIZING_ROOM = 1 << 62
 
 # Under CUDA graphs a wrapper's work list lives in a buffer of its own (FlashInfer's int workspace is 8 MB a wrapper
 # too), never in the float workspace, which serving engines share between wrappers as scratch (SGLang's multi-step
@@ -971,6 +976,28 @@ class WorkspaceAccessors:
         self._workspace = float_workspace_buffer
         self._drop_plans()
 
+    # workspace_size's copy of a wrapper: its plan() records the float bytes the plan needs and installs nothing
+    _sizing = False
+    _sized_bytes = 0
+
+    def workspace_size(self, *args, **kwargs) -> Tuple[int, int]:
+        """FlashInfer 0.7's: (float, int) workspace bytes that plan(*args, **kwargs) needs, for
+        reset_workspace_buffer before that plan(). The float workspace holds split-KV's partial states (fp32 outputs
+        and LSEs) for as many chunks as the plan cuts its requests into with room unbounded; a workspace of that size
+        gives plan() the same split, so the same bits. The int workspace is not used: 0. A copy of this wrapper
+        plans, so nothing is allocated and this wrapper's plan stays; refusals are plan()'s."""
+        entry = self._entry + ".workspace_size"
+        if self._use_cuda_graph:
+            policy.unsupported(entry, "workspace_size is served without use_cuda_graph only: a CUDA-graph wrapper "
+                                      "keeps the workspace it was built with (reset_workspace_buffer is refused), "
+                                      "and its size fixes the captured buffers.")
+        shadow = copy.copy(self)
+        shadow._entry = _CallName(entry)
+        shadow._sizing = True
+        shadow._drop_plans()
+        shadow.plan(*args, **kwargs)
+        return shadow._sized_bytes, 0
+
 
 class _PrefillWrapper(WorkspaceAccessors):
     _entry = "BatchPrefill"
@@ -1021,12 +1048,17 @@ class _PrefillWrapper(WorkspaceAccessors):
     def _split_bytes(self) -> int:
         """What split-KV's partial states may take of the workspace (policy.workspace_room): all of it, under CUDA
         graphs only where the wrapper splits (_graph_split_kv)."""
+        if self._sizing:  # workspace_size: the split that unbounded room gives
+            return SIZING_ROOM
         return self._workspace_bytes if not self._use_cuda_graph or self._graph_split_kv else 0
 
     def _commit(self, plan: Plan, graph_bufs: Optional[staging.Captured] = None) -> None:
         """Installs a validated plan: copies its arrays to the device (into fixed buffers under CUDA graphs).
         graph_bufs: what check_graph_plan returned for this plan (a caller that checked it already), else checked
         here."""
+        if self._sizing:
+            self._sized_bytes = policy.split_state_bytes(plan.split_rows, plan.num_qo_heads, plan.head_dim)
+            return
         if plan.backend != "torch":
             plan = transposed_v(plan, self._use_cuda_graph)
             if self._use_cuda_graph:
