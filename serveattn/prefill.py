@@ -1401,6 +1401,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     run_return_lse = functools.partialmethod(run, return_lse=True)
     begin_forward = plan  # FlashInfer's deprecated name
 
+    def prewarm_paged_kv_stride_variant(self, variant: str = "independent") -> None:
+        """FlashInfer 0.7's: its FA2 backend loads a kernel for K and V of different strides before a graph capture.
+        The kernels here take K's and V's strides as separate arguments in every variant, so nothing is loaded; the
+        call is checked as FlashInfer checks it (after a plan, variant 'independent'). A K/V pair of new strides may
+        still compile on its first run(), which a graph's warm-up run takes outside the capture."""
+        entry = self._entry + ".prewarm_paged_kv_stride_variant"
+        if variant != "independent":
+            policy.refuse(entry, f"variant={variant!r}: the only variant is 'independent' (K and V of different "
+                                 f"strides).")
+        if self._plan is None:
+            policy.refuse(entry, "prewarm_paged_kv_stride_variant() was called before plan().")
+
     def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
                 k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
                 rope_theta=None, return_lse=False):

@@ -1,7 +1,7 @@
 """FlashInfer 0.7's workspace_size(...): the (float, int) workspace bytes a plan() with the same arguments needs.
 Here the float workspace holds split-KV's partial states; a workspace of exactly the bytes returned gives plan() the
 same split and run() the same bits as a large one, one byte less does not hold the split, and asking never touches
-the wrapper's installed plan."""
+the wrapper's installed plan. Also FlashInfer 0.7's prewarm_paged_kv_stride_variant, a checked no-op here."""
 import pytest
 import torch
 
@@ -108,3 +108,15 @@ def test_workspace_size_refusals(device):
     g = serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(_ws(device), *bufs)
     with pytest.raises(NotImplementedError, match="workspace_size is served without use_cuda_graph only"):
         g.workspace_size(*args, **kw)
+
+
+def test_prewarm_paged_kv_stride_variant_is_checked_and_loads_nothing(device):
+    """FlashInfer 0.7's FA2 prewarm before a graph capture: K and V strides are separate kernel arguments here."""
+    w, args, kw, run, _ = _case("paged", device, seed=15)
+    with pytest.raises(ValueError, match="prewarm_paged_kv_stride_variant\\(\\) was called before plan\\(\\)"):
+        w.prewarm_paged_kv_stride_variant()
+    w.plan(*args, **kw)
+    with pytest.raises(ValueError, match="variant='shared': the only variant is 'independent'"):
+        w.prewarm_paged_kv_stride_variant("shared")
+    assert w.prewarm_paged_kv_stride_variant() is None
+    run()
