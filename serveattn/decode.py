@@ -10,6 +10,7 @@ with one query row per request.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import warnings
@@ -356,10 +357,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         q_len_per_req, so a given one must say what it does (causal exactly when q_len_per_req > 1), as
         FlashInfer's plan requires."""
         entry = self._entry + ".plan"
-        if positional_rest:  # FlashInfer's releases order these differently (0.7 put o_data_type before data_type)
-            policy.unsupported(entry, f"plan() got {5 + len(positional_rest)} arguments after page_size by "
-                                      f"position; pass those after kv_data_type by keyword (their order differs "
-                                      f"between FlashInfer releases).")
+        if positional_rest:  # FlashInfer 0.7's order past kv_data_type (vLLM passes 15 by position every step)
+            keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, dict(
+                data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                non_blocking=non_blocking, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
+                disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, tree_parents=tree_parents,
+                seq_lens=seq_lens, is_causal=is_causal, **unsupported_kwargs), _PLAN_DEFAULTS)
+            return self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                             pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, **keywords)
         if unsupported_kwargs:
             policy.extra_kwargs(entry, unsupported_kwargs)
         if not policy.is_int(q_len_per_req) or q_len_per_req < 1:
@@ -385,6 +390,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         # fixed_split_size counts pages (FlashInfer's unit); tokens from here on
         fixed_split_size, batch_invariant = policy.split_args(entry, fixed_split_size, disable_split_kv, page_size)
         if data_type is not None:  # FlashInfer's older name, for whichever of the two was not given
+            policy.canonical_dtype(entry, "data_type", data_type)  # a dtype even where unused (older positions)
             kv_data_type = data_type if kv_data_type is None else kv_data_type
             q_data_type = data_type if q_data_type is None else q_data_type
         # serveattn/routing.py: an explicit backend takes use_tensor_cores literally (several draft rows per
@@ -656,6 +662,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         """The bandwidth route's plan with forward()'s settings, for one call."""
         key = (pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
         return self._variants.applied(self, entry, key, lambda plan: _plan_with(entry, plan, *key))
+
+
+# plan()'s keyword defaults: a keyword that FlashInfer 0.7's positional order also binds counts as given off these
+_PLAN_DEFAULTS = {name: p.default for name, p in
+                  inspect.signature(BatchDecodeWithPagedKVCacheWrapper.plan).parameters.items()
+                  if p.default is not inspect.Parameter.empty} | {"block_tables": None}
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

@@ -44,6 +44,7 @@ kernel; apply RoPE before appending K), tree verify (`tree_parents`), CUDA graph
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -339,9 +340,20 @@ class ContextParallelDecode:
              non_blocking=True, o_data_type=None, fixed_split_size=None, disable_split_kv=False,
              q_len_per_req=1, tree_parents=None, **unsupported_kwargs):
         """The decode wrapper's plan on this rank's shard; collective (every rank calls it together). As the
-        decode wrapper's, it binds arguments by position through kv_data_type (FlashInfer's releases order the
-        rest differently)."""
+        decode wrapper's, it binds optional arguments by position in FlashInfer 0.7's order."""
         entry = ENTRY + ".plan"
+        if positional_rest:
+            try:
+                keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, dict(
+                    data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                    non_blocking=non_blocking, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
+                    disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, tree_parents=tree_parents,
+                    **unsupported_kwargs), _PLAN_DEFAULTS)
+            except ValueError as exc:  # agreed like any other local refusal: every rank raises
+                self._agree_header(entry, None, exc)
+                raise
+            return self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                             pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, **keywords)
         if data_type is not None and kv_data_type is None:
             kv_data_type = data_type
         local, error = None, None
@@ -349,7 +361,7 @@ class ContextParallelDecode:
             local = self._check_local(entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                                       page_size, pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
                                       kv_data_type, o_data_type, sm_scale, q_len_per_req, tree_parents,
-                                      unsupported_kwargs, len(positional_rest))
+                                      unsupported_kwargs)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it before anyone raises
             error = exc
         self._agree_header(entry, local, error)
@@ -373,11 +385,7 @@ class ContextParallelDecode:
 
     def _check_local(self, entry, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                      pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type,
-                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs, positional_rest: int = 0) -> dict:
-        if positional_rest:  # raised on every rank alike, agreed like any other local refusal
-            policy.unsupported(entry, f"plan() got {5 + positional_rest} arguments after page_size by position; "
-                                      f"pass those after kv_data_type by keyword (their order differs between "
-                                      f"FlashInfer releases).")
+                     sm_scale, q_len_per_req, tree_parents, unsupported_kwargs) -> dict:
         if unsupported_kwargs:
             policy.extra_kwargs(entry, unsupported_kwargs)
         if tree_parents is not None:
@@ -603,6 +611,11 @@ class ContextParallelDecode:
             merged_o, merged_s = merge_state(send_o[ids], send_lse[ids], o, s, backend=self.backend)
             send_o[ids] = merged_o
             send_lse[ids] = merged_s
+
+
+# plan()'s keyword defaults, for FlashInfer 0.7's positional order (policy.bind_positions)
+_PLAN_DEFAULTS = {name: p.default for name, p in inspect.signature(ContextParallelDecode.plan).parameters.items()
+                  if p.default is not inspect.Parameter.empty}
 
 
 def _status(error: BaseException) -> int:

@@ -69,6 +69,31 @@ FLASHINFER_NOOPS = {
 }
 
 
+# FlashInfer 0.7's decode plan(): the optional arguments after page_size that it still binds by position
+# (deprecated there, in this order), as vLLM's FlashInfer backend passes them (15 of them, every decode step).
+DECODE_PLAN_POSITIONS = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
+                         "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking",
+                         "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv", "q_len_per_req")
+
+
+def bind_positions(entry: str, names: Tuple[str, ...], first: int, values: tuple, keywords: dict,
+                   defaults: dict) -> dict:
+    """keywords with values bound to names[first:] in order (FlashInfer 0.7's deprecated positional arguments; the
+    signature bound names[:first]). A name given both ways (its keyword off its default) and more values than
+    names are refused, as FlashInfer refuses them."""
+    if first + len(values) > len(names):
+        refuse(entry, f"plan() takes at most {len(names)} optional arguments by position after page_size "
+                      f"(FlashInfer 0.7's order: {', '.join(names)}); got {first + len(values)}.")
+    bound = dict(keywords)
+    for name, value in zip(names[first:], values):
+        default = defaults.get(name)
+        given = keywords.get(name, default)
+        if given is not default and (isinstance(given, torch.Tensor) or given != default):
+            refuse(entry, f"plan() got {name} by position and by keyword; pass it once.")
+        bound[name] = value
+    return bound
+
+
 def extra_kwargs(entry: str, kwargs: dict, what: str = "argument(s)") -> None:
     """Keywords beyond an entry point's own: FlashInfer's later ones at their no-op value pass; any other is
     refused by name, before anything runs."""

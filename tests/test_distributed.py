@@ -512,13 +512,17 @@ def test_two_ranks_nccl(tmp_path):
     _spawn(2, tmp_path, [([0, 1], list(GPU_CASES))], dist_backend="nccl", device_kind="cuda")
 
 
-def test_plan_binds_by_position_only_through_kv_data_type(solo_group):
-    """As the decode wrapper: FlashInfer's releases order the arguments after kv_data_type differently."""
+def test_plan_binds_by_position_in_flashinfer_07_order(solo_group):
+    """As the decode wrapper: the optional arguments after page_size bind by position in FlashInfer 0.7's order
+    (o_data_type sixth), at most 16 of them."""
     b = _solo_batch(1, (13, 2, 30))
     cp = ContextParallelDecode(solo_group, torch.empty(1 << 16, dtype=torch.uint8), backend="torch")
-    with pytest.raises(NotImplementedError, match="plan\\(\\) got 6 arguments after page_size by position"):
+    with pytest.raises(ValueError, match="plan\\(\\) takes at most 16 optional arguments by position after page_size"):
         cp.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4, "NONE", -1, None, torch.bfloat16, None,
-                torch.bfloat16)
+                *([None] * 12))
+    cp.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4, "NONE", -1, None, torch.bfloat16, None,
+            torch.bfloat16)
+    assert cp._plan is not None and cp._plan.o_dtype == torch.bfloat16
     cp.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 4, "NONE", -1, None, torch.bfloat16, None,
             window_right=0)  # a FlashInfer keyword at its no-op value
     assert cp._plan is not None

@@ -84,11 +84,17 @@ def test_vllm_prefill_and_decode(mode, device):
     output = torch.full_like(b.q, float("nan"))
     i32 = dict(dtype=torch.int32, device=device)
     # decode: the first two requests (one token each)
+    # its fast_plan_decode's plan() call: host indptr / last_page_len, device indices, and 15 optional arguments
+    # by position in FlashInfer 0.7's order (o_data_type, data_type, ..., block_tables, seq_lens, the splits)
     dec = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    dec.plan(b.kv_indptr[:3], b.kv_indices, b.last_page_len[:2], HQ, HKV, D, PAGE, pos_encoding_mode="NONE",
-             sm_scale=0.125, window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16,
-             fixed_split_size=dec_split, disable_split_kv=disable)
+    dec.plan(b.kv_indptr[:3].cpu(), b.kv_indices, b.last_page_len[:2].cpu(), HQ, HKV, D, PAGE, "NONE", -1, None,
+             BF16, BF16, BF16, None, 0.125, None, None, True, None, None, dec_split, disable)
     dec.run(b.q[:2], b.cache, k_scale=1.0, v_scale=1.0, out=output[:2])
+    by_keyword = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    by_keyword.plan(b.kv_indptr[:3], b.kv_indices, b.last_page_len[:2], HQ, HKV, D, PAGE, pos_encoding_mode="NONE",
+                    sm_scale=0.125, window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16,
+                    o_data_type=BF16, fixed_split_size=dec_split, disable_split_kv=disable)
+    assert torch.equal(by_keyword.run(b.q[:2], b.cache, k_scale=1.0, v_scale=1.0), output[:2])
     # prefill: the other two, their page table rebased to its own indptr
     pre_indptr = b.kv_indptr[2:] - b.kv_indptr[2]
     pre_indices = b.kv_indices[int(b.kv_indptr[2]):]

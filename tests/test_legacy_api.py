@@ -194,16 +194,31 @@ def test_lse_base_and_layout(device):
 
 
 def test_optional_plan_arguments_by_position(device):
-    """The first optional arguments bind by position as in FlashInfer; past the point where FlashInfer's releases
-    disagree on the order (decode: after kv_data_type, 0.7 put o_data_type before data_type) they must come by
-    keyword: refused, never bound to the wrong name."""
+    """The optional arguments bind by position as in FlashInfer 0.7: the decode plan() takes all 16 after
+    page_size in its (deprecated there) order, as vLLM passes them, refusing more and a name given both ways; a
+    caller of an older order, whose sm_scale lands on data_type, is refused by that name. Prefill plan() binds
+    through non_blocking, past which FlashInfer's releases disagree."""
     b = _batch(device, qo_lens=(1, 1, 1), kv_lens=(40, 9, 4))
     ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(4)).to(BF16).to(device)
     d = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, backend="triton")
     d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16)
-    with pytest.raises(NotImplementedError, match="plan\\(\\) got 6 arguments after page_size by position; pass "
-                                                  "those after kv_data_type by keyword"):
-        d.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, "NONE", -1, None, BF16, BF16, BF16)
+    table = (b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16)
+    d.plan(*table, q_data_type=BF16, kv_data_type=BF16, sm_scale=0.2, o_data_type=BF16, fixed_split_size=1,
+           q_len_per_req=1)
+    by_keyword = d.run(q, b.cache)
+    positional = ("NONE", -1, None, BF16, BF16, BF16, None, 0.2, None, None, True, None, None, 1, False, 1)
+    d.plan(*table, *positional)
+    assert torch.equal(d.run(q, b.cache), by_keyword)
+    with pytest.raises(ValueError, match="plan\\(\\) takes at most 16 optional arguments by position after "
+                                         "page_size \\(FlashInfer 0.7's order: pos_encoding_mode, .*q_len_per_req\\); "
+                                         "got 17\\."):
+        d.plan(*table, *positional, 1)
+    with pytest.raises(ValueError, match="plan\\(\\) got sm_scale by position and by keyword; pass it once\\."):
+        d.plan(*table, *positional[:8], sm_scale=0.3)
+    # FlashInfer 0.6's order (data_type right after kv_data_type): its sm_scale lands on 0.7's data_type
+    with pytest.raises(ValueError, match="data_type=0.2 is not a dtype"):
+        d.plan(*table, "NONE", -1, None, BF16, BF16, None, 0.2)
     p = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws, backend="triton")
     with pytest.raises(NotImplementedError, match="plan\\(\\) got 1 arguments after non_blocking by position"):
         p.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, None, None, None, False,
