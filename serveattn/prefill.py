@@ -960,9 +960,28 @@ def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bo
                                   "build a new wrapper (and capture again) instead.")
 
 
+# FlashInfer wrappers' private state that engine code reaches into: vLLM's fast_plan_decode and SGLang's
+# fast_decode_plan write these buffers and call the compiled module's plan under CUDA graphs
+FLASHINFER_PRIVATE = frozenset({
+    "_backend", "_batch_size", "_block_tables", "_cached_kv_data_type", "_cached_module", "_cached_o_data_type",
+    "_cached_q_data_type", "_custom_mask_buf", "_fixed_batch_size", "_float_workspace_buffer", "_int_workspace_buffer",
+    "_jit_module", "_kv_indptr_buf", "_kv_lens_arr_host", "_kv_lens_buffer", "_mask_indptr_buf", "_max_kv_len",
+    "_o_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf",
+    "_pin_memory_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_v_indptr_buf"})
+
+
 class WorkspaceAccessors:
     """FlashInfer's is_cuda_graph_enabled and reset_workspace_buffer, for a wrapper with _entry, _workspace,
     _use_cuda_graph and _drop_plans()."""
+
+    def __getattr__(self, name: str):
+        """Only for attributes not found: FlashInfer's private state gets a sentence instead of Python's line."""
+        if name in FLASHINFER_PRIVATE:
+            raise AttributeError(f"{type(self).__name__}: {name} is FlashInfer's private wrapper state, which "
+                                 f"serveattn's wrappers do not have; code that writes FlashInfer's internals (vLLM's "
+                                 f"fast_plan_decode, SGLang's fast_decode_plan under CUDA graphs) must call plan() "
+                                 f"instead.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def is_cuda_graph_enabled(self) -> bool:

@@ -260,3 +260,24 @@ def test_decode_data_type_fills_whichever_dtype_is_not_given(use_tensor_cores, d
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 4, 2, 64, 16, **kw)
         outs.append(w.run(b.q, b.cache))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("wrapper", ["decode", "graph-decode", "paged", "ragged"])
+def test_flashinfer_private_state_is_named_not_faked(wrapper, device):
+    """Engine code that reaches into FlashInfer's wrappers (vLLM's fast_plan_decode under CUDA graphs reads
+    _fixed_batch_size, writes _paged_kv_indptr_buf and calls _cached_module.plan) gets one sentence naming what it
+    reached for; its own markers still read through getattr's default, and other missing names keep Python's line."""
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    w = {"decode": lambda: serveattn.BatchDecodeWithPagedKVCacheWrapper(ws),
+         "graph-decode": lambda: serveattn.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+             ws, torch.zeros(5, **i32), torch.zeros(16, **i32), torch.zeros(4, **i32)),
+         "paged": lambda: serveattn.BatchPrefillWithPagedKVCacheWrapper(ws),
+         "ragged": lambda: serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws)}[wrapper]()
+    for name in ("_fixed_batch_size", "_cached_module", "_paged_kv_indptr_buf"):
+        with pytest.raises(AttributeError, match=f"{name} is FlashInfer's private wrapper state, which serveattn's "
+                                                 f"wrappers do not have; .* must call plan\\(\\) instead\\."):
+            getattr(w, name)
+    assert getattr(w, "vllm_first_call", True) is True
+    with pytest.raises(AttributeError, match="object has no attribute 'no_such_thing'"):
+        w.no_such_thing
