@@ -29,9 +29,6 @@ def _case(kind, device, seed):
         w = serveattn.BatchDecodeWithPagedKVCacheWrapper(_ws(device), use_tensor_cores=kind == "decode-tc",
                                                          backend="triton")
         args, q = (*table, HQ, HKV, D, PAGE), b.q.view(3, HQ, D)
-
-        def rows():
-            return w._prefill._plan.split_rows if kind == "decode-tc" else w._plan.num_slots
     elif kind == "paged":
         w = serveattn.BatchPrefillWithPagedKVCacheWrapper(_ws(device), backend="triton")
         args, q = (b.qo_indptr, *table, HQ, HKV, D, PAGE), b.q
@@ -42,9 +39,12 @@ def _case(kind, device, seed):
         k, v = (torch.randn(977, HKV, D, generator=gen).to(device, BF16) for _ in range(2))
         args, q = (b.qo_indptr, kv_indptr, HQ, HKV, D), b.q
         kw["causal"] = True
-    if not decode:
-        def rows():
-            return w._plan.split_rows
+
+    def rows():
+        """The installed plan's split-KV partial rows (decode: a slot per chunk, one row each)."""
+        if kind == "decode-tc":
+            return w._prefill._plan.split_rows
+        return w._plan.num_slots if kind == "decode" else w._plan.split_rows
     cache = (k, v) if kind == "ragged" else (b.cache,)
 
     def run():
