@@ -412,6 +412,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                                        q_data_type, kv_data_type, o_data_type, sm_scale, rope_scale, rope_theta,
                                        q_len_per_req, tree, (fixed_split_size, disable_split_kv), batch_invariant)
             self._decided(decision)
+            self._record_settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
             return
         policy.check_pos_encoding(entry, pos_encoding_mode)
         if pos_encoding_mode == "ROPE_LLAMA":  # reached where the route is held (auto under CUDA graphs)
@@ -435,6 +436,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
             self._graph_q_len = q_len_per_req
         self.backend = "triton"
         self._decided(decision)
+        self._record_settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
 
     def _decided(self, decision: "routing.Decision") -> None:
         """After a plan is installed: the route's reasons, and under CUDA graphs the route that holds."""

@@ -995,6 +995,17 @@ class WorkspaceAccessors:
         self._workspace = float_workspace_buffer
         self._drop_plans()
 
+    def _record_settings(self, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                         causal=None) -> None:
+        """FlashInfer's per-plan attributes as its plan() leaves them (the values given; a soft cap of None as 0.0):
+        engines read them back, vLLM asserting _sm_scale, _window_left, _logits_soft_cap and a prefill's _causal
+        before every run()."""
+        self._pos_encoding_mode, self._window_left, self._sm_scale = pos_encoding_mode, window_left, sm_scale
+        self._logits_soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap
+        self._rope_scale, self._rope_theta = rope_scale, rope_theta
+        if causal is not None:
+            self._causal = causal
+
     # workspace_size's copy of a wrapper: its plan() records the float bytes the plan needs and installs nothing
     _sizing = False
     _sized_bytes = 0
@@ -1355,6 +1366,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                          pos_encoding_mode, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
                          q_data_type, kv_data_type, o_data_type, split=(fixed_split_size, disable_split_kv),
                          batch_invariant=batch_invariant)
+        self._record_settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                              causal)
 
     def _plan_paged(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                     num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None,
@@ -1478,6 +1491,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
             workspace_bytes=self._split_bytes(), split=(fixed_split_size, disable_split_kv),
             batch_invariant=batch_invariant)
         self._commit(plan)
+        self._record_settings(pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+                              causal)
 
     def run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, scale_q=None, scale_k=None, scale_v=None,
             out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,

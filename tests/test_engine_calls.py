@@ -89,6 +89,8 @@ def test_vllm_prefill_and_decode(mode, device):
     dec = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     dec.plan(b.kv_indptr[:3].cpu(), b.kv_indices, b.last_page_len[:2].cpu(), HQ, HKV, D, PAGE, "NONE", -1, None,
              BF16, BF16, BF16, None, 0.125, None, None, True, None, None, dec_split, disable)
+    # vLLM's forward() asserts these FlashInfer attributes of the planned wrapper before every run()
+    assert (dec._window_left, dec._logits_soft_cap, dec._sm_scale) == (-1, 0.0, 0.125)
     dec.run(b.q[:2], b.cache, k_scale=1.0, v_scale=1.0, out=output[:2])
     by_keyword = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     by_keyword.plan(b.kv_indptr[:3], b.kv_indices, b.last_page_len[:2], HQ, HKV, D, PAGE, pos_encoding_mode="NONE",
@@ -103,6 +105,7 @@ def test_vllm_prefill_and_decode(mode, device):
     pre.plan(qo, pre_indptr, pre_indices, b.last_page_len[2:], HQ, HKV, D, PAGE, causal=True, sm_scale=0.125,
              window_left=-1, logits_soft_cap=None, q_data_type=BF16, kv_data_type=BF16, fixed_split_size=pre_split,
              disable_split_kv=disable)
+    assert (pre._window_left, pre._logits_soft_cap, pre._sm_scale, pre._causal) == (-1, 0.0, 0.125, True)
     pre.run(b.q[2:], b.cache, k_scale=1.0, v_scale=1.0, out=output[2:])
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    causal=True, sm_scale=0.125)

@@ -281,3 +281,40 @@ def test_flashinfer_private_state_is_named_not_faked(wrapper, device):
     assert getattr(w, "vllm_first_call", True) is True
     with pytest.raises(AttributeError, match="object has no attribute 'no_such_thing'"):
         w.no_such_thing
+
+
+@pytest.mark.parametrize("wrapper", ["decode", "decode-tc", "paged", "ragged"])
+def test_planned_settings_read_back_as_flashinfer_leaves_them(wrapper, device):
+    """FlashInfer's plan() leaves _pos_encoding_mode, _window_left, _logits_soft_cap (None as 0.0), _sm_scale,
+    _rope_scale, _rope_theta (and a prefill's _causal) on the wrapper, as given; vLLM asserts them before each
+    run(). A refused plan leaves the last plan's."""
+    b = _batch(device)
+    ws = torch.empty(1 << 22, dtype=torch.uint8, device=device)
+    names = ("_pos_encoding_mode", "_window_left", "_logits_soft_cap", "_sm_scale", "_rope_scale", "_rope_theta")
+    if wrapper.startswith("decode"):
+        w = serveattn.BatchDecodeWithPagedKVCacheWrapper(ws, use_tensor_cores=wrapper == "decode-tc")
+
+        def plan(**kw):
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=BF16, **kw)
+    elif wrapper == "paged":
+        w = serveattn.BatchPrefillWithPagedKVCacheWrapper(ws)
+        names += ("_causal",)
+
+        def plan(**kw):
+            w.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, 8, 2, 64, 16, q_data_type=BF16,
+                   causal=True, **kw)
+    else:
+        w = serveattn.BatchPrefillWithRaggedKVCacheWrapper(ws)
+        names += ("_causal",)
+
+        def plan(**kw):
+            w.plan(b.qo_indptr, b.kv_indptr * 16, 8, 2, 64, q_data_type=BF16, **kw)
+    plan()
+    assert [getattr(w, n) for n in names[:6]] == ["NONE", -1, 0.0, None, None, None]
+    plan(window_left=7, logits_soft_cap=30.0, sm_scale=0.1, rope_scale=2.0, rope_theta=5e5,
+         **({"pos_encoding_mode": "ROPE_LLAMA"} if wrapper != "decode" else {}))
+    settings = [getattr(w, n) for n in names]
+    assert settings[1:6] == [7, 30.0, 0.1, 2.0, 5e5]
+    with pytest.raises(ValueError):
+        plan(sm_scale=-1.0)
+    assert [getattr(w, n) for n in names] == settings
