@@ -971,8 +971,9 @@ FLASHINFER_PRIVATE = frozenset({
 
 
 class WorkspaceAccessors:
-    """FlashInfer's is_cuda_graph_enabled and reset_workspace_buffer, for a wrapper with _entry, _workspace,
-    _use_cuda_graph and _drop_plans()."""
+    """What every batch wrapper shares with FlashInfer's beyond plan() and run(): is_cuda_graph_enabled,
+    reset_workspace_buffer, workspace_size, the settings a plan leaves readable, and a sentence for FlashInfer's
+    private state; for a wrapper with _entry, _workspace, _use_cuda_graph and _drop_plans()."""
 
     def __getattr__(self, name: str):
         """Only for attributes not found: FlashInfer's private state gets a sentence instead of Python's line."""
