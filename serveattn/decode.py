@@ -501,7 +501,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
                             batch_invariant=batch_invariant,
                             # an explicit backend was resolved by choose_decode above (the same device and call)
                             resolved=self._backend_request != "auto")
-        self._sized_bytes = wrapper._sized_bytes
+        if self._sizing:  # workspace_size: the inner plan's bytes
+            self._sized_bytes = wrapper._sized_bytes
         self._prefill = wrapper
         self._plan = None
         self._q_len_per_req = q_len_per_req

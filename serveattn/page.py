@@ -26,7 +26,7 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
             kinds = ", ".join(type(c).__name__ for c in paged_kv_cache)
             policy.refuse(entry, f"paged_kv_cache as a tuple must be (k_cache, v_cache), two tensors; got "
                                  f"{len(paged_kv_cache)} items ({kinds}).")
-        k_cache, v_cache = (policy.slot_axis(t, kv_layout, 4) for t in paged_kv_cache)  # page size 1: 3-D taken
+        k_cache, v_cache = policy.with_slot_axis(paged_kv_cache, kv_layout)  # page size 1: 3-D taken
         if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
             policy.refuse(entry, f"paged_kv_cache tuple holds shapes {tuple(k_cache.shape)} and "
                                  f"{tuple(v_cache.shape)}; both must be the same 4-D shape "
@@ -37,8 +37,7 @@ def _split_cache(entry: str, paged_kv_cache, kv_layout: str):
             policy.refuse(entry, "paged_kv_cache's k_cache and v_cache are the same memory, so appending would write "
                                  "V over K; give the cache's K and V as two tensors (or the 5-D cache).")
     elif isinstance(paged_kv_cache, torch.Tensor):
-        if paged_kv_cache.dim() == 4 and paged_kv_cache.shape[1] == 2:  # page size 1 without its slot axis
-            paged_kv_cache = policy.slot_axis(paged_kv_cache, kv_layout, 5)
+        paged_kv_cache = policy.with_slot_axis(paged_kv_cache, kv_layout)  # page size 1 without its slot axis
         if paged_kv_cache.dim() != 5 or paged_kv_cache.shape[1] != 2:
             policy.refuse(entry, f"paged_kv_cache has shape {tuple(paged_kv_cache.shape)}; a single-tensor cache "
                                  f"is 5-D [num_pages, 2, page_size, num_kv_heads, head_dim] ({kv_layout}).")

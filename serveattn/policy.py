@@ -94,6 +94,16 @@ def bind_positions(entry: str, names: Tuple[str, ...], first: int, values: tuple
     return bound
 
 
+# FlashInfer wrappers' private state that engine code reaches into: vLLM's fast_plan_decode and SGLang's
+# fast_decode_plan write these buffers and call the compiled module's plan under CUDA graphs
+FLASHINFER_PRIVATE = frozenset({
+    "_backend", "_batch_size", "_block_tables", "_cached_kv_data_type", "_cached_module", "_cached_o_data_type",
+    "_cached_q_data_type", "_custom_mask_buf", "_fixed_batch_size", "_float_workspace_buffer", "_int_workspace_buffer",
+    "_jit_module", "_kv_indptr_buf", "_kv_lens_arr_host", "_kv_lens_buffer", "_mask_indptr_buf", "_max_kv_len",
+    "_o_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf",
+    "_pin_memory_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_v_indptr_buf"})
+
+
 def extra_kwargs(entry: str, kwargs: dict, what: str = "argument(s)") -> None:
     """Keywords beyond an entry point's own: FlashInfer's later ones at their no-op value pass; any other is
     refused by name, before anything runs."""
@@ -167,6 +177,16 @@ def slot_axis(t, kv_layout: str, dims: int):
     if isinstance(t, torch.Tensor) and t.dim() == dims - 1:
         return t.unsqueeze(-3 if kv_layout == "NHD" else -2)
     return t
+
+
+def with_slot_axis(cache, kv_layout: str):
+    """A paged cache (a (k, v) pair or one tensor) of page size 1 given without its slot axis, with it: 3-D pair
+    members become 4-D and a 4-D [tokens, 2, ...] tensor 5-D (slot_axis); any other cache as it is."""
+    if isinstance(cache, (tuple, list)):
+        return tuple(slot_axis(t, kv_layout, 4) for t in cache)
+    if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[1] == 2:
+        return slot_axis(cache, kv_layout, 5)
+    return cache
 
 
 def check_kv_pair(entry: str, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -767,10 +767,9 @@ def split_paged_cache(entry: str, cache, kv_layout: str):
     if isinstance(cache, (tuple, list)):
         if len(cache) != 2:
             policy.refuse(entry, f"paged_kv_cache tuple has {len(cache)} tensors; expected (k_cache, v_cache).")
-        k, v = (policy.slot_axis(t, kv_layout, 4) for t in cache)
+        k, v = policy.with_slot_axis(cache, kv_layout)
     else:
-        if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.shape[1] == 2:  # page size 1, no slot axis
-            cache = policy.slot_axis(cache, kv_layout, 5)
+        cache = policy.with_slot_axis(cache, kv_layout)
         if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[1] != 2:
             shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
             policy.refuse(entry, f"paged_kv_cache has shape {shape}; expected a 5-D [num_pages, 2, ...] tensor "
@@ -960,16 +959,6 @@ def check_workspace_reset(entry: str, float_workspace_buffer, use_cuda_graph: bo
                                   "build a new wrapper (and capture again) instead.")
 
 
-# FlashInfer wrappers' private state that engine code reaches into: vLLM's fast_plan_decode and SGLang's
-# fast_decode_plan write these buffers and call the compiled module's plan under CUDA graphs
-FLASHINFER_PRIVATE = frozenset({
-    "_backend", "_batch_size", "_block_tables", "_cached_kv_data_type", "_cached_module", "_cached_o_data_type",
-    "_cached_q_data_type", "_custom_mask_buf", "_fixed_batch_size", "_float_workspace_buffer", "_int_workspace_buffer",
-    "_jit_module", "_kv_indptr_buf", "_kv_lens_arr_host", "_kv_lens_buffer", "_mask_indptr_buf", "_max_kv_len",
-    "_o_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_indptr_buf", "_paged_kv_last_page_len_buf",
-    "_pin_memory_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_v_indptr_buf"})
-
-
 class WorkspaceAccessors:
     """What every batch wrapper shares with FlashInfer's beyond plan() and run(): is_cuda_graph_enabled,
     reset_workspace_buffer, workspace_size, the settings a plan leaves readable, and a sentence for FlashInfer's
@@ -977,7 +966,7 @@ class WorkspaceAccessors:
 
     def __getattr__(self, name: str):
         """Only for attributes not found: FlashInfer's private state gets a sentence instead of Python's line."""
-        if name in FLASHINFER_PRIVATE:
+        if name in policy.FLASHINFER_PRIVATE:
             raise AttributeError(f"{type(self).__name__}: {name} is FlashInfer's private wrapper state, which "
                                  f"serveattn's wrappers do not have; code that writes FlashInfer's internals (vLLM's "
                                  f"fast_plan_decode, SGLang's fast_decode_plan under CUDA graphs) must call plan() "
