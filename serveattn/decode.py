@@ -10,7 +10,6 @@ with one query row per request.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
 import warnings
@@ -358,11 +357,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
         FlashInfer's plan requires."""
         entry = self._entry + ".plan"
         if positional_rest:  # FlashInfer 0.7's order past kv_data_type (vLLM passes 15 by position every step)
-            keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, dict(
-                data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-                non_blocking=non_blocking, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
-                disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, tree_parents=tree_parents,
-                seq_lens=seq_lens, is_causal=is_causal, **unsupported_kwargs), _PLAN_DEFAULTS)
+            given = locals()
+            keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, {
+                **{name: given[name] for name in _PLAN_KEYWORDS}, **unsupported_kwargs}, _PLAN_DEFAULTS)
             return self.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                              pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, **keywords)
         if unsupported_kwargs:
@@ -668,9 +665,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WorkspaceAccessors):
 
 
 # plan()'s keyword defaults: a keyword that FlashInfer 0.7's positional order also binds counts as given off these
-_PLAN_DEFAULTS = {name: p.default for name, p in
-                  inspect.signature(BatchDecodeWithPagedKVCacheWrapper.plan).parameters.items()
-                  if p.default is not inspect.Parameter.empty} | {"block_tables": None}
+_PLAN_KEYWORDS, _PLAN_DEFAULTS = policy.keyword_signature(BatchDecodeWithPagedKVCacheWrapper.plan)
+_PLAN_DEFAULTS["block_tables"] = None
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):

@@ -44,7 +44,6 @@ kernel; apply RoPE before appending K), tree verify (`tree_parents`), CUDA graph
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -344,11 +343,9 @@ class ContextParallelDecode:
         entry = ENTRY + ".plan"
         if positional_rest:
             try:
-                keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, dict(
-                    data_type=data_type, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-                    non_blocking=non_blocking, o_data_type=o_data_type, fixed_split_size=fixed_split_size,
-                    disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req, tree_parents=tree_parents,
-                    **unsupported_kwargs), _PLAN_DEFAULTS)
+                given = locals()
+                keywords = policy.bind_positions(entry, policy.DECODE_PLAN_POSITIONS, 5, positional_rest, {
+                    **{name: given[name] for name in _PLAN_KEYWORDS}, **unsupported_kwargs}, _PLAN_DEFAULTS)
             except ValueError as exc:  # agreed like any other local refusal: every rank raises
                 self._agree_header(entry, None, exc)
                 raise
@@ -614,8 +611,7 @@ class ContextParallelDecode:
 
 
 # plan()'s keyword defaults, for FlashInfer 0.7's positional order (policy.bind_positions)
-_PLAN_DEFAULTS = {name: p.default for name, p in inspect.signature(ContextParallelDecode.plan).parameters.items()
-                  if p.default is not inspect.Parameter.empty}
+_PLAN_KEYWORDS, _PLAN_DEFAULTS = policy.keyword_signature(ContextParallelDecode.plan)
 
 
 def _status(error: BaseException) -> int:

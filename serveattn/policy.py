@@ -7,6 +7,7 @@ Each message names the entry point, the argument, the value received and what is
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -74,6 +75,14 @@ FLASHINFER_NOOPS = {
 DECODE_PLAN_POSITIONS = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
                          "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking",
                          "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv", "q_len_per_req")
+
+
+def keyword_signature(function) -> Tuple[Tuple[str, ...], dict]:
+    """A plan()'s keyword-only parameter names and every parameter's default (for bind_positions: what the call
+    gave by keyword is read from its locals by these names)."""
+    parameters = inspect.signature(function).parameters.values()
+    return (tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY),
+            {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty})
 
 
 def bind_positions(entry: str, names: Tuple[str, ...], first: int, values: tuple, keywords: dict,
